@@ -1,0 +1,109 @@
+"""The public entry point: ``cross_attention_backward``."""
+import contextlib
+
+import numpy
+
+from . import checks
+from ._cupy import import_cupy, require_gpu, to_numpy
+from .grads import INPUT_NAMES, CrossAttentionGrads
+
+__all__ = ["cross_attention_backward", "CrossAttentionGrads"]
+
+
+def cross_attention_backward(grad_output, video_latents, text_embeddings, query_weight, query_bias,
+                             key_weight, key_bias, value_weight, value_bias, output_weight, output_bias,
+                             scale=None, *, num_heads=16, precision="tf32", backend="cupy", out=None):
+    """Backward pass of cross-attention from video latents (queries) to text embeddings (keys, values).
+
+    Forward, recomputed here (nothing is saved from a forward pass)::
+
+        Q = X Wq^T + bq    K = T Wk^T + bk    V = T Wv^T + bv       (num_heads heads)
+        Y = softmax(scale Q K^T) V Wo^T + bo
+
+    Parameters
+    ----------
+    grad_output : (B, Nv, D)
+        dY, gradient of the loss with respect to Y.
+    video_latents : (B, Nv, D)
+        X.
+    text_embeddings : (B, Nt, D)
+        T.
+    query_weight, key_weight, value_weight, output_weight : (D, D)
+        (out, in) weights, applied as ``x @ W.T``.
+    query_bias, key_bias, value_bias, output_bias : (D,)
+    scale : float, optional
+        Softmax scale; defaults to 1/sqrt(D / num_heads).
+    num_heads : int
+        H; D must be divisible by it.
+    precision : {"tf32", "fp32", "fp16"}
+        Matrix-unit precision of the GPU backend (accumulation is always fp32).
+        Ignored by the numpy backend.
+    backend : {"cupy", "numpy"}
+        "cupy" runs on the current GPU (or that of the CuPy inputs); "numpy" runs the float64
+        reference on the host and returns float32.
+    out : CrossAttentionGrads or sequence of 10 arrays, optional
+        Preallocated float32 outputs; results are written into exactly these and returned.
+        They may not overlap the inputs or each other.
+
+    All arrays are float32, NumPy or CuPy (or anything ``cupy.asarray`` takes zero-copy:
+    ``__cuda_array_interface__``, DLPack). Inputs are never modified; non-contiguous ones are
+    copied.
+
+    Returns
+    -------
+    CrossAttentionGrads
+        float32, NumPy when every input is a NumPy array, CuPy otherwise (or ``out``).
+
+    Raises
+    ------
+    TypeError
+        Wrong dtypes or argument types.
+    ValueError
+        Inconsistent shapes, bad options, arrays on different GPUs, aliasing ``out``.
+    ImportError
+        backend="cupy" without CuPy installed.
+    cupy_xattn._cupy.NoGPUError
+        backend="cupy" without a usable GPU.
+    """
+    arrays = checks.as_arrays(dict(zip(INPUT_NAMES, (
+        grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
+        value_weight, value_bias, output_weight, output_bias))))
+    out = checks.as_out(out)
+    problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,
+                              backend=backend, out=out)
+    on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
+    devices = [a.device.id for a in arrays.values() if not isinstance(a, numpy.ndarray)]
+    # Work on the GPU that holds the caller's CuPy arrays, whatever the current device is.
+    with import_cupy().cuda.Device(devices[0]) if devices else contextlib.nullcontext():
+        if backend == "numpy":
+            from . import reference
+            grads = reference.backward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads)
+            results = CrossAttentionGrads(*(g.astype(numpy.float32) for g in grads))
+        else:
+            results = _run_on_gpu(problem, arrays, precision, out)
+
+        if out is not None:
+            for buffer, result in zip(out, results):
+                if buffer is not result:
+                    _copy_into(buffer, result)
+            return out
+        if on_host:
+            return CrossAttentionGrads(*map(to_numpy, results))
+        return CrossAttentionGrads(*map(import_cupy().asarray, results))
+
+
+def _run_on_gpu(problem, arrays, precision, out):
+    cupy = require_gpu()
+    from . import backward
+
+    inputs = tuple(cupy.ascontiguousarray(cupy.asarray(a)) for a in arrays.values())
+    # The GPU code writes straight into the caller's buffers only when it can.
+    direct = out is not None and all(isinstance(o, cupy.ndarray) and o.flags.c_contiguous for o in out)
+    return backward.run(problem, inputs, precision=precision, out=out if direct else None)
+
+
+def _copy_into(buffer, result):
+    if isinstance(buffer, numpy.ndarray):
+        buffer[...] = to_numpy(result)
+    else:
+        buffer[...] = import_cupy().asarray(result)

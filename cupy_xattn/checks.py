@@ -1,0 +1,228 @@
+"""Every check on the arguments of ``cross_attention_backward``, done before any allocation or launch.
+
+Problems are collected, not raised one at a time: a call with several bad arguments gets one
+error naming all of them (TypeError for types and dtypes, ValueError for everything else).
+"""
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy
+
+from ._cupy import import_cupy
+from .grads import INPUT_NAMES, CrossAttentionGrads
+
+PRECISIONS = ("fp32", "tf32", "fp16")
+BACKENDS = ("cupy", "numpy")
+
+# Shapes in symbols: B batch, Nv video tokens, Nt text tokens, D hidden size.
+INPUT_SHAPES = {
+    "grad_output": ("B", "Nv", "D"),
+    "video_latents": ("B", "Nv", "D"),
+    "text_embeddings": ("B", "Nt", "D"),
+    "query_weight": ("D", "D"),
+    "query_bias": ("D",),
+    "key_weight": ("D", "D"),
+    "key_bias": ("D",),
+    "value_weight": ("D", "D"),
+    "value_bias": ("D",),
+    "output_weight": ("D", "D"),
+    "output_bias": ("D",),
+}
+# The sizes come from these first, so that the messages blame the other arguments.
+_SIZE_SOURCES = ("video_latents", "text_embeddings") + tuple(
+    name for name in INPUT_NAMES if name not in ("video_latents", "text_embeddings"))
+
+# Kernels index with 32-bit signed integers.
+INDEX_LIMIT = 2**31
+
+_DLPACK_CPU = 1
+
+
+class Problem(NamedTuple):
+    """The sizes of one validated call; ``scale`` is resolved (None -> 1/sqrt(head_dim))."""
+
+    batch_size: int
+    num_video_tokens: int
+    num_text_tokens: int
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    scale: float
+
+
+def _as_array(obj):
+    """``obj`` as a NumPy or CuPy array without copying, or None when it is neither."""
+    if isinstance(obj, numpy.ndarray):
+        return obj
+    if hasattr(obj, "__cuda_array_interface__"):  # CuPy arrays included: asarray returns them as they are
+        return import_cupy().asarray(obj)
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        if obj.__dlpack_device__()[0] == _DLPACK_CPU:
+            return numpy.from_dlpack(obj)
+        return import_cupy().from_dlpack(obj)
+    return None
+
+
+def _unsupported(name, obj):
+    return (f"{name} is a {type(obj).__name__}; expected a NumPy or CuPy array "
+            "(or an object with __cuda_array_interface__ or DLPack)")
+
+
+def as_arrays(named):
+    """Wrap each value of ``named`` (name -> array-like) as a NumPy or CuPy array, zero-copy.
+
+    Raises
+    ------
+    TypeError
+        Naming every value that is not an array.
+    """
+    arrays = {name: _as_array(obj) for name, obj in named.items()}
+    bad = [_unsupported(name, named[name]) for name, array in arrays.items() if array is None]
+    if bad:
+        raise TypeError(_message("unsupported array types", bad))
+    return arrays
+
+
+def as_out(out):
+    """``out`` (None, a CrossAttentionGrads or a sequence of 10 arrays) as a CrossAttentionGrads of arrays."""
+    if out is None:
+        return None
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != len(CrossAttentionGrads._fields):
+        raise TypeError(f"out must be a CrossAttentionGrads or a sequence of 10 arrays, got {type(out).__name__}")
+    names = [f"out.{field}" for field in CrossAttentionGrads._fields]
+    return CrossAttentionGrads(*as_arrays(dict(zip(names, out))).values())
+
+
+def _message(title, problems):
+    return f"cross_attention_backward: {title}:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _device_id(array):
+    """The GPU of a CuPy-like array, None for host arrays (NumPy's .device is the string 'cpu')."""
+    return getattr(getattr(array, "device", None), "id", None)
+
+
+def _byte_range(array):
+    """[first, last) addresses an array may touch; NumPy arrays give None (shares_memory handles them)."""
+    if isinstance(array, numpy.ndarray) or array.size == 0:
+        return None
+    low = high = array.data.ptr
+    for extent, stride in zip(array.shape, array.strides):
+        step = (extent - 1) * stride
+        low, high = (low + step, high) if step < 0 else (low, high + step)
+    return low, high + array.itemsize
+
+
+def _overlap(a, b):
+    if isinstance(a, numpy.ndarray) and isinstance(b, numpy.ndarray):
+        return numpy.shares_memory(a, b)
+    if isinstance(a, numpy.ndarray) or isinstance(b, numpy.ndarray) or _device_id(a) != _device_id(b):
+        return False
+    range_a, range_b = _byte_range(a), _byte_range(b)
+    return range_a is not None and range_b is not None and range_a[0] < range_b[1] and range_b[0] < range_a[1]
+
+
+def _show(symbols, dims):
+    return f"({', '.join(symbols)}{',' if len(symbols) == 1 else ''}) = {tuple(dims.get(s, '?') for s in symbols)}"
+
+
+def validate(arrays, *, scale, num_heads, precision, backend, out):
+    """Check one call's arguments and return its sizes.
+
+    Parameters
+    ----------
+    arrays : dict
+        Name -> NumPy or CuPy array (anything with ``shape``, ``dtype`` and, on a GPU,
+        ``device.id`` and ``data.ptr``), the 11 inputs in the public order (``INPUT_NAMES``).
+    scale : float or None
+    num_heads : int
+    precision : {"fp32", "tf32", "fp16"}
+    backend : {"cupy", "numpy"}
+    out : CrossAttentionGrads of arrays, or None
+
+    Returns
+    -------
+    Problem
+
+    Raises
+    ------
+    TypeError
+        Wrong dtypes (only float32 is supported), non-integer ``num_heads``, non-real ``scale``;
+        one message naming every such argument.
+    ValueError
+        Everything else (shapes, sizes, options, devices, aliasing ``out``); one message listing all.
+    """
+    outs = {} if out is None else dict(zip((f"out.{f}" for f in CrossAttentionGrads._fields), out))
+    everything = {**arrays, **outs}
+
+    type_problems = [f"{name} has dtype {numpy.dtype(a.dtype)}; only float32 is supported"
+                     for name, a in everything.items() if numpy.dtype(a.dtype) != numpy.float32]
+    if not _is_int(num_heads):
+        type_problems.append(f"num_heads must be an integer, got {type(num_heads).__name__}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        type_problems.append(f"scale must be a real number or None, got {type(scale).__name__}")
+    if type_problems:
+        raise TypeError(_message("invalid argument types", type_problems))
+
+    problems = []
+    if precision not in PRECISIONS:
+        problems.append(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if backend not in BACKENDS:
+        problems.append(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+    dims = {}
+    for name in _SIZE_SOURCES:
+        symbols, shape = INPUT_SHAPES[name], tuple(arrays[name].shape)
+        if len(shape) == len(symbols):
+            for symbol, size in zip(symbols, shape):
+                dims.setdefault(symbol, size)
+    expected = {**INPUT_SHAPES, **{out_name: INPUT_SHAPES[name]
+                                   for out_name, name in zip(outs, INPUT_NAMES[1:])}}
+    shape_problems = [f"{name} has shape {tuple(a.shape)}, expected {_show(expected[name], dims)}"
+                      for name, a in everything.items()
+                      if tuple(a.shape) != tuple(dims.get(s) for s in expected[name])]
+    if shape_problems:
+        problems.append("shapes do not match (B, Nv from video_latents; Nt, D from text_embeddings):\n    "
+                        + "\n    ".join(shape_problems))
+    empty = [f"{symbol}={size}" for symbol, size in dims.items() if size == 0]
+    if empty:
+        problems.append(f"empty dimensions: {', '.join(empty)}")
+
+    hidden_size = dims.get("D")
+    if num_heads <= 0:
+        problems.append(f"num_heads must be positive, got {num_heads}")
+    elif hidden_size and hidden_size % num_heads:
+        problems.append(f"hidden size D={hidden_size} is not divisible by num_heads={num_heads}")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        problems.append(f"scale must be finite and positive, got {scale}")
+
+    if len(dims) == 4 and num_heads > 0:
+        B, Nv, Nt, D = (dims[s] for s in ("B", "Nv", "Nt", "D"))
+        sizes = {"B*Nv*D": B * Nv * D, "B*Nt*2*D (keys|values)": B * Nt * 2 * D, "D*D": D * D,
+                 "B*num_heads*Nv*Nt (attention scores)": B * num_heads * Nv * Nt}
+        problems += [f"{what} = {size} elements overflows 32-bit indexing (limit {INDEX_LIMIT - 1})"
+                     for what, size in sizes.items() if size >= INDEX_LIMIT]
+
+    devices = {name: _device_id(a) for name, a in everything.items() if _device_id(a) is not None}
+    if len(set(devices.values())) > 1:
+        problems.append("arrays are on different GPUs: "
+                        + ", ".join(f"{name} on GPU {device}" for name, device in devices.items()))
+
+    for i, (out_name, o) in enumerate(outs.items()):
+        if isinstance(o, numpy.ndarray) and not o.flags.writeable:
+            problems.append(f"{out_name} is read-only")
+        others = list(arrays.items()) + list(outs.items())[i + 1:]
+        problems += [f"{out_name} overlaps {name} in memory"
+                     for name, a in others if _overlap(o, a)]
+
+    if problems:
+        raise ValueError(_message("invalid arguments", problems))
+
+    head_dim = hidden_size // num_heads
+    return Problem(dims["B"], dims["Nv"], dims["Nt"], hidden_size, num_heads, head_dim,
+                   1.0 / math.sqrt(head_dim) if scale is None else float(scale))

@@ -1,0 +1,163 @@
+"""The only reader of ``kernels_cu/``: kernel sources, the compiled-kernel cache, and cubins without a GPU.
+
+The .cu files live in the checkout's top-level ``kernels_cu/`` and are installed as
+``cupy_xattn/kernels_cu/``; an editable install does not see that mapping, so both places
+are searched, the installed copy first.
+"""
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ._cupy import import_cupy
+
+_PACKAGE = Path(__file__).resolve().parent
+SOURCE_DIRS = (_PACKAGE / "kernels_cu", _PACKAGE.parent / "kernels_cu")
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.MULTILINE)
+
+_modules = {}
+
+
+class CompileError(RuntimeError):
+    """A kernel failed to compile; the message holds the compiler's log."""
+
+
+def source_dir():
+    """The folder the kernel sources are read from: the installed copy, else the checkout's."""
+    for folder in SOURCE_DIRS:
+        if folder.is_dir() and any(folder.glob("*.cu")):
+            return folder
+    raise FileNotFoundError(f"no kernels_cu/*.cu in {' or '.join(map(str, SOURCE_DIRS))}")
+
+
+def kernel_files():
+    """Paths of every ``kernels_cu/*.cu``, sorted."""
+    return sorted(source_dir().glob("*.cu"))
+
+
+def kernel_source(filename):
+    """The text of ``kernels_cu/<filename>`` with its local ``#include "x.cuh"`` files inlined.
+
+    Inlining makes the returned string the whole program, so CuPy's disk cache (keyed on
+    the source text) sees header edits. ``#line`` directives keep compiler messages pointing
+    at the original files. Each header is inlined once.
+    """
+    folder = source_dir()
+    if not (folder / filename).is_file():
+        raise FileNotFoundError(f"no kernel source {filename!r} in {folder}")
+    return _inline(folder, filename, set())
+
+
+def _inline(folder, filename, seen):
+    seen.add(filename)
+    text = (folder / filename).read_text()
+
+    def replace(match):
+        header = match.group(1)
+        if not (folder / header).is_file():  # a system or toolkit header: the compiler finds it
+            return match.group(0)
+        if header in seen:
+            return f"// {header} already inlined"
+        line = text.count("\n", 0, match.end()) + 2
+        return f'#line 1 "{header}"\n{_inline(folder, header, seen)}\n#line {line} "{filename}"'
+
+    return _LOCAL_INCLUDE.sub(replace, text)
+
+
+def _with_defines(filename, defines):
+    """Source with ``#define K V`` lines first; kernels default their knobs with ``#ifndef K``."""
+    lines = [f"#define {name} {value}\n" for name, value in (defines or {}).items()]
+    return "".join(lines) + kernel_source(filename)
+
+
+def get_kernel(filename, kernel_name, defines=None):
+    """Compiled ``extern "C"`` kernel ``kernel_name`` of ``kernels_cu/<filename>`` for the current GPU.
+
+    Parameters
+    ----------
+    filename : str
+        e.g. "attention_bwd.cu".
+    kernel_name : str
+    defines : dict, optional
+        Name -> value, prepended as ``#define`` lines.
+
+    Returns
+    -------
+    cupy.RawKernel
+        Modules are cached per (filename, defines, device); CuPy also caches the binary on
+        disk (``CUPY_CACHE_DIR``), keyed on the full source text.
+    """
+    cupy = import_cupy()
+    key = (filename, tuple(sorted((defines or {}).items())), cupy.cuda.Device().id)
+    if key not in _modules:
+        _modules[key] = cupy.RawModule(code=_with_defines(filename, defines), options=("-std=c++17",))
+    return _modules[key].get_function(kernel_name)
+
+
+def compile_cubin(filename, arch, defines=None):
+    """Compile ``kernels_cu/<filename>`` to a cubin for ``arch``, without needing a GPU.
+
+    Uses NVRTC through CuPy (with CuPy's include paths, as ``get_kernel`` compiles), or
+    ``nvcc -cubin`` when CuPy or its NVRTC library is missing.
+
+    Parameters
+    ----------
+    filename : str
+    arch : str or int
+        "sm_90", "sm_90a", "90" or 90.
+    defines : dict, optional
+
+    Returns
+    -------
+    bytes
+
+    Raises
+    ------
+    CompileError
+        With the compiler's log.
+    """
+    arch = str(arch) if str(arch).startswith("sm_") else f"sm_{arch}"
+    source = _with_defines(filename, defines)
+    nvrtc = _nvrtc()
+    if nvrtc is None:
+        return _compile_with_nvcc(source, filename, arch)
+    from cupy._core.core import assemble_cupy_compiler_options
+
+    options = (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17")
+    program = nvrtc.createProgram(source, filename, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as exc:
+            raise CompileError(f"{filename} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}") from None
+        return nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _nvrtc():
+    """CuPy's NVRTC binding when CuPy and the NVRTC library are both there, else None."""
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:  # ImportError without CuPy; CuPy raises various errors when libnvrtc is absent
+        return None
+    return nvrtc
+
+
+def _compile_with_nvcc(source, filename, arch):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise CompileError(f"cannot compile {filename}: neither NVRTC (pip install nvidia-cuda-nvrtc-cu12) "
+                           "nor nvcc is available")
+    with tempfile.TemporaryDirectory() as folder:
+        source_path, cubin_path = os.path.join(folder, filename), os.path.join(folder, "out.cubin")
+        Path(source_path).write_text(source)
+        done = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-o", cubin_path, source_path],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise CompileError(f"{filename} ({arch}): nvcc failed\n{done.stderr}")
+        return Path(cubin_path).read_bytes()
