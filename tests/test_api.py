@@ -1,0 +1,140 @@
+"""The public call: backends, array types, out=, and the hand-off to the GPU code (mocked here)."""
+import hashlib
+import subprocess
+import sys
+import types
+
+import numpy
+import pytest
+
+import cupy_xattn
+from cupy_xattn import CrossAttentionGrads, cross_attention_backward, reference
+from cupy_xattn._cupy import NoGPUError
+from cupy_xattn.cases import Case, make_inputs
+from cupy_xattn.checks import Problem
+
+H = 4
+
+
+@pytest.fixture
+def inputs():
+    return make_inputs(Case(2, 7, 5, atol=0.0), hidden_size=16, seed=0)
+
+
+def _expected(inputs, scale=None):
+    return [g.astype(numpy.float32) for g in reference.backward(*inputs.values(), scale, num_heads=H)]
+
+
+def _digest(arrays):
+    return [hashlib.sha256(numpy.ascontiguousarray(a).tobytes()).hexdigest() for a in arrays]
+
+
+def _assert_equal(got, expected):
+    for name, g, e in zip(CrossAttentionGrads._fields, got, expected):
+        assert isinstance(g, numpy.ndarray) and g.dtype == numpy.float32, name
+        numpy.testing.assert_array_equal(g, e, err_msg=name)
+
+
+def test_numpy_backend_is_the_reference_in_float32(inputs):
+    before = _digest(inputs.values())
+    grads = cross_attention_backward(*inputs.values(), 0.3, num_heads=H, backend="numpy")
+    assert isinstance(grads, CrossAttentionGrads)
+    _assert_equal(grads, _expected(inputs, 0.3))
+    assert _digest(inputs.values()) == before
+
+
+def test_keywords_and_non_contiguous_inputs(inputs):
+    # Same values, other layouts: Fortran-ordered weights, latents read with a stride.
+    strided = numpy.empty((2, 14, 16), numpy.float32)
+    strided[:, ::2] = inputs["video_latents"]
+    odd = dict(inputs, video_latents=strided[:, ::2], query_weight=numpy.asfortranarray(inputs["query_weight"]))
+    before = _digest(odd.values())
+    grads = cross_attention_backward(**odd, num_heads=H, backend="numpy")
+    _assert_equal(grads, _expected(inputs))
+    assert _digest(odd.values()) == before
+
+
+def test_out_buffers_are_filled_and_returned(inputs):
+    out = CrossAttentionGrads(*(numpy.full_like(a, numpy.nan) for a in list(inputs.values())[1:]))
+    grads = cross_attention_backward(*inputs.values(), num_heads=H, backend="numpy", out=out)
+    assert all(g is o for g, o in zip(grads, out))
+    _assert_equal(out, _expected(inputs))
+
+
+def test_out_may_be_a_list_of_strided_views(inputs):
+    wide = [numpy.zeros(a.shape[:-1] + (2 * a.shape[-1],), numpy.float32) for a in list(inputs.values())[1:]]
+    out = [w[..., ::2] for w in wide]
+    grads = cross_attention_backward(*inputs.values(), num_heads=H, backend="numpy", out=out)
+    assert all(g is o for g, o in zip(grads, out))
+    _assert_equal(out, _expected(inputs))
+    assert all(not w[..., 1::2].any() for w in wide)
+
+
+@pytest.fixture
+def mocked_gpu(monkeypatch):
+    """A 'GPU' made of NumPy: fake CuPy functions and a fake backward module that records its calls."""
+    fake_cupy = types.SimpleNamespace(ndarray=numpy.ndarray, asarray=numpy.asarray,
+                                      ascontiguousarray=numpy.ascontiguousarray)
+    calls = []
+
+    def run(problem, inputs, *, precision, out):
+        calls.append((problem, inputs, precision, out))
+        grads = _expected(dict(zip(cupy_xattn.grads.INPUT_NAMES, inputs)), problem.scale)
+        if out is None:
+            return CrossAttentionGrads(*grads)
+        for buffer, grad in zip(out, grads):
+            buffer[...] = grad
+        return out
+
+    backward = types.SimpleNamespace(run=run)
+    monkeypatch.setattr(cupy_xattn.api, "require_gpu", lambda: fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupy_xattn.backward", backward)
+    monkeypatch.setattr(cupy_xattn, "backward", backward, raising=False)
+    return calls
+
+
+def test_gpu_backend_gets_the_problem_and_contiguous_inputs(inputs, mocked_gpu):
+    odd = dict(inputs, key_weight=numpy.asfortranarray(inputs["key_weight"]))
+    before = _digest(odd.values())
+    grads = cross_attention_backward(**odd, num_heads=H, precision="fp16")
+    _assert_equal(grads, _expected(inputs))
+    [(problem, gpu_inputs, precision, out)] = mocked_gpu
+    assert problem == Problem(2, 7, 5, 16, H, 4, 0.5)
+    assert precision == "fp16" and out is None
+    assert len(gpu_inputs) == 11 and all(a.flags.c_contiguous and a.dtype == numpy.float32 for a in gpu_inputs)
+    assert _digest(odd.values()) == before
+
+
+def test_gpu_backend_writes_straight_into_contiguous_out(inputs, mocked_gpu):
+    out = CrossAttentionGrads(*(numpy.empty_like(a) for a in list(inputs.values())[1:]))
+    grads = cross_attention_backward(*inputs.values(), num_heads=H, out=out)
+    assert all(b is o for b, o in zip(mocked_gpu[0][3], out)) and all(g is o for g, o in zip(grads, out))
+    _assert_equal(out, _expected(inputs))
+
+
+def test_gpu_backend_copies_into_strided_out(inputs, mocked_gpu):
+    out = [numpy.zeros(a.shape[:-1] + (2 * a.shape[-1],), numpy.float32)[..., ::2] for a in list(inputs.values())[1:]]
+    grads = cross_attention_backward(*inputs.values(), num_heads=H, out=out)
+    assert mocked_gpu[0][3] is None and all(g is o for g, o in zip(grads, out))
+    _assert_equal(out, _expected(inputs))
+
+
+def test_gpu_work_without_cupy_names_the_extras(inputs, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
+    with pytest.raises(ImportError, match=r"cupy-xattn\[cuda12\].*cupy-xattn\[cuda13\]"):
+        cross_attention_backward(*inputs.values(), num_heads=H)
+
+
+def test_gpu_work_without_a_gpu_says_so(inputs, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(is_available=lambda: False))
+    with pytest.raises(NoGPUError, match="no CUDA GPU"):
+        cross_attention_backward(*inputs.values(), num_heads=H)
+
+
+def test_import_needs_neither_cupy_nor_a_gpu():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import cupy_xattn, cupy_xattn.cli, cupy_xattn.kernels, cupy_xattn.cases, cupy_xattn.reference\n"
+            "print(cupy_xattn.__version__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == cupy_xattn.__version__

@@ -1,0 +1,100 @@
+"""The float64 reference, checked against the math before anything is checked against it."""
+import numpy
+import pytest
+
+from cupy_xattn import reference
+from cupy_xattn.cases import Case, make_inputs
+from cupy_xattn.grads import INPUT_NAMES, CrossAttentionGrads
+
+# (B, Nv, Nt, D, H): tiny, with sizes that share no factor, and one with a single head.
+SHAPES = [(2, 3, 4, 8, 2), (1, 5, 2, 6, 1), (3, 2, 3, 12, 3)]
+
+
+def _inputs(batch_size, video_tokens, text_tokens, hidden_size, seed=0):
+    arrays = make_inputs(Case(batch_size, video_tokens, text_tokens, atol=0.0), hidden_size=hidden_size, seed=seed)
+    return {name: a.astype(numpy.float64) for name, a in arrays.items()}
+
+
+def _forward_by_loops(X, T, Wq, bq, Wk, bk, Wv, bv, Wo, bo, scale, num_heads):
+    """WORKLOAD.md's forward, one (batch, head) at a time."""
+    head_dim = X.shape[-1] // num_heads
+    Y = numpy.empty_like(X)
+    for b in range(X.shape[0]):
+        Q, K, V = X[b] @ Wq.T + bq, T[b] @ Wk.T + bk, T[b] @ Wv.T + bv
+        O = numpy.empty_like(Q)
+        for h in range(num_heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            S = scale * Q[:, cols] @ K[:, cols].T
+            P = numpy.exp(S) / numpy.exp(S).sum(axis=1, keepdims=True)
+            O[:, cols] = P @ V[:, cols]
+        Y[b] = O @ Wo.T + bo
+    return Y
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_the_math(shape):
+    *sizes, num_heads = shape
+    inputs = _inputs(*sizes)
+    args = [inputs[name] for name in INPUT_NAMES[1:]]
+    scale = 0.7
+    numpy.testing.assert_allclose(reference.forward(*args, scale, num_heads=num_heads),
+                                  _forward_by_loops(*args, scale, num_heads), rtol=1e-12, atol=1e-12)
+
+
+def test_default_scale_is_one_over_sqrt_head_dim():
+    inputs = _inputs(2, 3, 4, 8)
+    args = [inputs[name] for name in INPUT_NAMES[1:]]
+    numpy.testing.assert_allclose(reference.forward(*args, num_heads=2),
+                                  reference.forward(*args, 0.5, num_heads=2), rtol=1e-15)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_gradient_matches_central_differences(shape):
+    """loss = sum(Y * G) with a random G, so dloss/dY = G is the grad_output."""
+    *sizes, num_heads = shape
+    inputs = _inputs(*sizes, seed=1)
+    G = inputs["grad_output"]
+    params = [inputs[name] for name in INPUT_NAMES[1:]]
+    scale = 0.6
+
+    def loss():
+        return numpy.sum(reference.forward(*params, scale, num_heads=num_heads) * G)
+
+    grads = reference.backward(G, *params, scale, num_heads=num_heads)
+    step = 1e-6
+    for name, param, grad in zip(CrossAttentionGrads._fields, params, grads):
+        assert grad.shape == param.shape and grad.dtype == numpy.float64, name
+        numeric = numpy.empty_like(param)
+        for index in numpy.ndindex(param.shape):
+            saved = param[index]
+            param[index] = saved + step
+            plus = loss()
+            param[index] = saved - step
+            minus = loss()
+            param[index] = saved
+            numeric[index] = (plus - minus) / (2 * step)
+        numpy.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradient_identities(shape):
+    *sizes, num_heads = shape
+    inputs = _inputs(*sizes, seed=2)
+    dY, X, T, Wq, bq, Wk, bk, Wv, bv, Wo, bo = inputs.values()
+    grads = reference.backward(*inputs.values(), num_heads=num_heads)
+    # Each softmax row's gradient sums to zero, so does every key's bias gradient.
+    numpy.testing.assert_allclose(grads.grad_key_bias, 0.0, atol=1e-12)
+    scale = 1 / numpy.sqrt(X.shape[-1] // num_heads)
+    dQ, dK, dV = reference.attention_backward(dY @ Wo, X @ Wq.T + bq, T @ Wk.T + bk, T @ Wv.T + bv, scale,
+                                              num_heads=num_heads)
+    numpy.testing.assert_allclose(grads.grad_text_embeddings, dK @ Wk + dV @ Wv, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(grads.grad_video_latents, dQ @ Wq, rtol=1e-12, atol=1e-12)
+
+
+def test_inputs_are_not_modified_and_float32_is_accepted():
+    inputs = make_inputs(Case(2, 3, 4, atol=0.0), hidden_size=8, seed=3)
+    before = {name: a.copy() for name, a in inputs.items()}
+    grads = reference.backward(*inputs.values(), num_heads=2)
+    assert all(g.dtype == numpy.float64 for g in grads)
+    for name, a in inputs.items():
+        numpy.testing.assert_array_equal(a, before[name], err_msg=name)
