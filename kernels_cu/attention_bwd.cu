@@ -1,0 +1,421 @@
+// Fused attention backward for cross-attention with a short key/value sequence.
+//
+// Math, per (batch b, head h), with the projections already done by cuBLAS:
+//   Q = Q0 + bq  [Nv, 64]     K = K0 + bk, V = V0 + bv  [Nt, 64]     dO [Nv, 64]
+//   S = scale Q K^T,  P = softmax_rows(S),  O = P V
+//   dP = dO V^T,  D_i = rowsum(dO ∘ O)_i,  dS = P ∘ (dP − D) · scale
+//   dQ = dS K,  dK = dS^T Q,  dV = P^T dO
+// S, P and dS live only in registers and shared memory.
+//
+// Layouts (row-major fp32, heads side by side in the hidden dimension D = H·64):
+//   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D))
+//   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
+//
+// Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
+// [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
+// Pass 1 streams key/value tiles with an online softmax to get each row's log-sum-exp and O.
+// Pass 2 streams them again: exact P, dP, dS; dQ accumulates in registers, the tile's dK and dV
+// are finished by the block (over its query rows) and added into its own slice of dkv_part —
+// plain stores, no atomics, so results are deterministic.
+//
+// Matrix products use mma.sync m16n8k8 TF32 with fp32 accumulation. ATTN_SPLIT3 = 1 gives the
+// fp32 mode: each operand x = big + small (big = tf32(x), small = tf32(x − big)), and a·b is
+// big·big + big·small + small·big, which restores about fp32 accuracy.
+
+#ifndef ATTN_BLOCK_Q
+#define ATTN_BLOCK_Q 64
+#endif
+#ifndef ATTN_BLOCK_KV
+#define ATTN_BLOCK_KV 32
+#endif
+#ifndef ATTN_HEAD_DIM
+#define ATTN_HEAD_DIM 64
+#endif
+#ifndef ATTN_SPLIT3
+#define ATTN_SPLIT3 0
+#endif
+
+#define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
+// Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes both the [row g][col t]
+// and the [row t][col g] fragment reads of one warp hit 32 different banks.
+#define LD_HD (ATTN_HEAD_DIM + 8)
+#define LD_KV (ATTN_BLOCK_KV + 8)
+
+static_assert(ATTN_BLOCK_Q % 16 == 0, "a warp owns 16 query rows");
+static_assert(ATTN_BLOCK_KV % 16 == 0, "key/value tiles are whole 16-row mma tiles");
+static_assert(ATTN_HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
+static_assert((ATTN_BLOCK_KV / 16) * (ATTN_HEAD_DIM / 8) % (ATTN_THREADS / 32) == 0,
+              "dK/dV tile products must split evenly over the warps");
+
+namespace {
+
+// −∞ without <cmath> (NVRTC has no toolkit headers by default).
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ unsigned tf32_bits(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a·b on fp32 fragments: one TF32 product, or three for the error-compensated split.
+__device__ __forceinline__ void mma(float c[4], const float a[4], const float b[2]) {
+    unsigned ab[4], bb[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ab[i] = tf32_bits(a[i]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) bb[i] = tf32_bits(b[i]);
+#if ATTN_SPLIT3
+    unsigned as[4], bs[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) as[i] = tf32_bits(a[i] - __uint_as_float(ab[i]));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) bs[i] = tf32_bits(b[i] - __uint_as_float(bb[i]));
+    mma_tf32(c, as, bb);  // small terms first: they are the smallest contributions
+    mma_tf32(c, ab, bs);
+#endif
+    mma_tf32(c, ab, bb);
+}
+
+// Fragment loads from shared memory (g = lane / 4, t = lane % 4, PTX m16n8k8 .tf32 layouts).
+// A(r, k) = M[r][k]
+__device__ __forceinline__ void load_a(float a[4], const float* m, int ld, int r0, int k0, int g, int t) {
+    a[0] = m[(r0 + g) * ld + k0 + t];
+    a[1] = m[(r0 + g + 8) * ld + k0 + t];
+    a[2] = m[(r0 + g) * ld + k0 + t + 4];
+    a[3] = m[(r0 + g + 8) * ld + k0 + t + 4];
+}
+// A(r, k) = M[k][r]
+__device__ __forceinline__ void load_a_trans(float a[4], const float* m, int ld, int r0, int k0, int g, int t) {
+    a[0] = m[(k0 + t) * ld + r0 + g];
+    a[1] = m[(k0 + t) * ld + r0 + g + 8];
+    a[2] = m[(k0 + t + 4) * ld + r0 + g];
+    a[3] = m[(k0 + t + 4) * ld + r0 + g + 8];
+}
+// B(k, n) = M[k][n]
+__device__ __forceinline__ void load_b(float b[2], const float* m, int ld, int k0, int n0, int g, int t) {
+    b[0] = m[(k0 + t) * ld + n0 + g];
+    b[1] = m[(k0 + t + 4) * ld + n0 + g];
+}
+// B(k, n) = M[n][k]
+__device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld, int k0, int n0, int g, int t) {
+    b[0] = m[(n0 + g) * ld + k0 + t];
+    b[1] = m[(n0 + g) * ld + k0 + t + 4];
+}
+
+// Copy rows [row0, row0 + n_rows) of a head's 64 columns into shared memory, adding a bias
+// (may be null); rows at or past n_valid become zeros so padded rows contribute nothing.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(float* dst, const float* src, long long ld_src,
+                                          int row0, int n_valid, const float* bias) {
+    constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4;
+    for (int i = threadIdx.x; i < ROWS * VEC_PER_ROW; i += ATTN_THREADS) {
+        const int r = i / VEC_PER_ROW, c = (i % VEC_PER_ROW) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (row0 + r < n_valid) {
+            v = *reinterpret_cast<const float4*>(src + (long long)(row0 + r) * ld_src + c);
+            if (bias) {
+                const float4 bv = *reinterpret_cast<const float4*>(bias + c);
+                v.x += bv.x; v.y += bv.y; v.z += bv.z; v.w += bv.w;
+            }
+        }
+        *reinterpret_cast<float4*>(dst + r * LD_HD + c) = v;
+    }
+}
+
+// S tile (16 query rows of this warp × ATTN_BLOCK_KV keys), scaled to log2 units, with keys
+// past n_text masked to −inf.
+__device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const float* q_s, const float* k_s,
+                                           int r0, int kv0, int n_text, float scale_log2, int g, int t) {
+#pragma unroll
+    for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n)
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
+        float a[4];
+        load_a(a, q_s, LD_HD, r0, k, g, t);
+#pragma unroll
+        for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
+            float b[2];
+            load_b_trans(b, k_s, LD_HD, k, n * 8, g, t);
+            mma(s[n], a, b);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
+        const int col = kv0 + n * 8 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool valid = col + (i & 1) < n_text;
+            s[n][i] = valid ? s[n][i] * scale_log2 : neg_inf();
+        }
+    }
+}
+
+// Store a warp's 16-row accumulator tile (C layout) to shared memory.
+template <int NT>
+__device__ __forceinline__ void store_acc(float* m, int ld, int r0, const float c[NT][4], int g, int t) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        *reinterpret_cast<float2*>(m + (r0 + g) * ld + n * 8 + 2 * t) = make_float2(c[n][0], c[n][1]);
+        *reinterpret_cast<float2*>(m + (r0 + g + 8) * ld + n * 8 + 2 * t) = make_float2(c[n][2], c[n][3]);
+    }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// dst[kv rows × head_dim] (+)= A^T·B over the block's ATTN_BLOCK_Q query rows, where A is the
+// P or dS tile in p_s and B is the Q or dO tile; the (16 × 8) output tiles are dealt to warps.
+__device__ __forceinline__ void block_transposed_product(float* dst, long long ld_dst, int kv0, int n_text,
+                                                         bool accumulate, const float* p_s, const float* b_s,
+                                                         int warp, int g, int t) {
+    constexpr int M_TILES = ATTN_BLOCK_KV / 16, N_TILES = ATTN_HEAD_DIM / 8;
+    constexpr int WARPS = ATTN_THREADS / 32;
+    for (int tile = warp; tile < M_TILES * N_TILES; tile += WARPS) {
+        const int m0 = (tile / N_TILES) * 16, n0 = (tile % N_TILES) * 8;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < ATTN_BLOCK_Q; k += 8) {
+            float a[4], b[2];
+            load_a_trans(a, p_s, LD_KV, m0, k, g, t);
+            load_b(b, b_s, LD_HD, k, n0, g, t);
+            mma(c, a, b);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = kv0 + m0 + g + 8 * half;
+            if (row < n_text) {
+                float2* p = reinterpret_cast<float2*>(dst + (long long)row * ld_dst + n0 + 2 * t);
+                float2 v = make_float2(c[2 * half], c[2 * half + 1]);
+                if (accumulate) {
+                    const float2 old = *p;
+                    v.x += old.x; v.y += old.y;
+                }
+                *p = v;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
+         const float* __restrict__ kv0, const float* __restrict__ bk, const float* __restrict__ bv,
+         const float* __restrict__ dout, float* __restrict__ o, float* __restrict__ dq,
+         float* __restrict__ dkv_part, int n_video, int n_text, int hidden, int tiles_per_chunk, float scale) {
+    constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
+    extern __shared__ float4 smem4[];
+    float* q_s = reinterpret_cast<float*>(smem4);          // [ATTN_BLOCK_Q][LD_HD]
+    float* do_s = q_s + ATTN_BLOCK_Q * LD_HD;               // [ATTN_BLOCK_Q][LD_HD]
+    float* k_s = do_s + ATTN_BLOCK_Q * LD_HD;               // [ATTN_BLOCK_KV][LD_HD]
+    float* v_s = k_s + ATTN_BLOCK_KV * LD_HD;               // [ATTN_BLOCK_KV][LD_HD]
+    float* p_s = v_s + ATTN_BLOCK_KV * LD_HD;               // [ATTN_BLOCK_Q][LD_KV]: P, then dS
+
+    const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int r0 = warp * 16;
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const long long ld_kv = 2LL * hidden;
+    const int col = head * ATTN_HEAD_DIM;
+
+    const float* q_b = q0 + (long long)batch * n_video * hidden + col;
+    const float* do_b = dout + (long long)batch * n_video * hidden + col;
+    float* o_b = o + (long long)batch * n_video * hidden + col;
+    float* dq_b = dq + (long long)batch * n_video * hidden + col;
+    const float* k_b = kv0 + (long long)batch * n_text * ld_kv + col;
+    const float* v_b = k_b + hidden;
+    const long long n_rows_text = (long long)gridDim.z * n_text;
+    float* dk_b = dkv_part + ((long long)chunk * n_rows_text + (long long)batch * n_text) * ld_kv + col;
+    float* dv_b = dk_b + hidden;
+
+    const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
+    const int tile_begin = chunk * tiles_per_chunk;
+    const int tile_end = min(tile_begin + tiles_per_chunk, n_q_tiles);
+
+    for (int qt = tile_begin; qt < tile_end; ++qt) {
+        const int q_row0 = qt * ATTN_BLOCK_Q;
+        __syncthreads();  // the previous tile's readers of q_s / do_s are done
+        load_tile<ATTN_BLOCK_Q>(q_s, q_b, hidden, q_row0, n_video, bq + col);
+        load_tile<ATTN_BLOCK_Q>(do_s, do_b, hidden, q_row0, n_video, nullptr);
+
+        // ---- pass 1: online softmax → log-sum-exp (log2 units) and O ----
+        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+        float o_acc[NT_HD][4];
+#pragma unroll
+        for (int n = 0; n < NT_HD; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
+
+        for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
+            __syncthreads();
+            load_tile<ATTN_BLOCK_KV>(k_s, k_b, ld_kv, kv0, n_text, bk + col);
+            load_tile<ATTN_BLOCK_KV>(v_s, v_b, ld_kv, kv0, n_text, bv + col);
+            __syncthreads();
+            float s[NT_KV][4];
+            score_tile(s, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+            float corr[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = m_run[h];
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+                mx = quad_max(mx);  // finite: every tile holds at least one valid key
+                corr[h] = exp2f(m_run[h] - mx);
+                m_run[h] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n) {
+                    s[n][2 * h] = exp2f(s[n][2 * h] - mx);
+                    s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - mx);
+                    sum += s[n][2 * h] + s[n][2 * h + 1];
+                }
+                l_run[h] = l_run[h] * corr[h] + sum;  // per-thread partial; summed over the quad at the end
+            }
+#pragma unroll
+            for (int n = 0; n < NT_HD; ++n) {
+                o_acc[n][0] *= corr[0]; o_acc[n][1] *= corr[0];
+                o_acc[n][2] *= corr[1]; o_acc[n][3] *= corr[1];
+            }
+            store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
+                float a[4];
+                load_a(a, p_s, LD_KV, r0, k, g, t);
+#pragma unroll
+                for (int n = 0; n < NT_HD; ++n) {
+                    float b[2];
+                    load_b(b, v_s, LD_HD, k, n * 8, g, t);
+                    mma(o_acc[n], a, b);
+                }
+            }
+            __syncwarp();
+        }
+
+        // Finish O and the row statistics; write O (needed by the dWo GEMM); D = rowsum(dO ∘ O).
+        float lse[2], d_row[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l = quad_sum(l_run[h]);
+            lse[h] = m_run[h] + log2f(l);
+            const float inv_l = 1.f / l;
+            const int row = r0 + g + 8 * h;
+            float d = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_HD; ++n) {
+                o_acc[n][2 * h] *= inv_l;
+                o_acc[n][2 * h + 1] *= inv_l;
+                const float2 dov = *reinterpret_cast<const float2*>(do_s + row * LD_HD + n * 8 + 2 * t);
+                d += o_acc[n][2 * h] * dov.x + o_acc[n][2 * h + 1] * dov.y;
+            }
+            d_row[h] = quad_sum(d);
+            if (q_row0 + row < n_video) {
+#pragma unroll
+                for (int n = 0; n < NT_HD; ++n)
+                    *reinterpret_cast<float2*>(o_b + (long long)(q_row0 + row) * hidden + n * 8 + 2 * t) =
+                        make_float2(o_acc[n][2 * h], o_acc[n][2 * h + 1]);
+            }
+        }
+
+        // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
+        float dq_acc[NT_HD][4];
+#pragma unroll
+        for (int n = 0; n < NT_HD; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+        const bool accumulate = qt != tile_begin;
+
+        for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
+            __syncthreads();
+            load_tile<ATTN_BLOCK_KV>(k_s, k_b, ld_kv, kv0, n_text, bk + col);
+            load_tile<ATTN_BLOCK_KV>(v_s, v_b, ld_kv, kv0, n_text, bv + col);
+            __syncthreads();
+            float p[NT_KV][4];
+            score_tile(p, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) p[n][i] = exp2f(p[n][i] - lse[i / 2]);
+
+            float dp[NT_KV][4];
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+            for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
+                float a[4];
+                load_a(a, do_s, LD_HD, r0, k, g, t);
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n) {
+                    float b[2];
+                    load_b_trans(b, v_s, LD_HD, k, n * 8, g, t);
+                    mma(dp[n], a, b);
+                }
+            }
+
+            // dV = P^T dO for this key tile, over the block's query rows.
+            store_acc<NT_KV>(p_s, LD_KV, r0, p, g, t);
+            __syncthreads();
+            block_transposed_product(dv_b, ld_kv, kv0, n_text, accumulate, p_s, do_s, warp, g, t);
+            __syncthreads();
+
+            // dS = P ∘ (dP − D) · scale, reusing the dp registers.
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
+            store_acc<NT_KV>(p_s, LD_KV, r0, dp, g, t);
+            __syncthreads();
+            block_transposed_product(dk_b, ld_kv, kv0, n_text, accumulate, p_s, q_s, warp, g, t);
+
+            // dQ += dS K (this warp's rows of dS only).
+#pragma unroll
+            for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
+                float a[4];
+                load_a(a, p_s, LD_KV, r0, k, g, t);
+#pragma unroll
+                for (int n = 0; n < NT_HD; ++n) {
+                    float b[2];
+                    load_b(b, k_s, LD_HD, k, n * 8, g, t);
+                    mma(dq_acc[n], a, b);
+                }
+            }
+        }
+
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = q_row0 + r0 + g + 8 * h;
+            if (row < n_video) {
+#pragma unroll
+                for (int n = 0; n < NT_HD; ++n)
+                    *reinterpret_cast<float2*>(dq_b + (long long)row * hidden + n * 8 + 2 * t) =
+                        make_float2(dq_acc[n][2 * h], dq_acc[n][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// dkv[i] = Σ_c dkv_part[c][i], summed in chunk order (deterministic). n4 = element count / 4.
+extern "C" __global__ void attn_dkdv_reduce(const float4* __restrict__ dkv_part, float4* __restrict__ dkv,
+                                            long long n4, int n_chunks) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4;
+         i += (long long)gridDim.x * blockDim.x) {
+        float4 acc = dkv_part[i];
+        for (int c = 1; c < n_chunks; ++c) {
+            const float4 v = dkv_part[c * n4 + i];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        dkv[i] = acc;
+    }
+}

@@ -1,0 +1,72 @@
+// fp32 → fp16 with a per-tensor power-of-two scale, for the fp16 precision mode.
+//
+// A tensor x is stored as half(x · s) with s = 2^(HALF_TARGET_EXP − e), where 2^e is the
+// smallest power of two above max|x|. So the largest element lands just under 2^HALF_TARGET_EXP
+// (far from fp16's 65504: nothing overflows) and small tensors (gradients of 1e-8) are lifted
+// into fp16's normal range, keeping its 11-bit relative precision. Powers of two make the
+// scaling exact; a GEMM on two scaled tensors is undone by alpha = (1/s_a)·(1/s_b).
+//
+//   half_absmax:    amax_bits[0] = max(amax_bits[0], bits(max|x|))   (zero it first)
+//   half_convert:   y = half(x · s); inv_scale[0] = 1/s             grid-stride, float4 in
+//   half_alphas:    alpha[i·n + j] = inv_scale[i] · inv_scale[j]     one block, n·n ≤ 1024
+//
+// max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
+// bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
+
+#ifndef HALF_TARGET_EXP
+#define HALF_TARGET_EXP 14
+#endif
+#define HALF_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(HALF_THREADS)
+half_absmax(const float4* __restrict__ x, long long n4, unsigned* __restrict__ amax_bits) {
+    float m = 0.f;
+    for (long long i = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; i < n4;
+         i += (long long)gridDim.x * HALF_THREADS) {
+        const float4 v = x[i];
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        if (v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w) m = __int_as_float(0x7fc00000);
+    }
+    unsigned bits = __float_as_uint(m);
+    for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
+    __shared__ unsigned warp_max[HALF_THREADS / 32];
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
+        atomicMax(amax_bits, bits);  // max is order-independent: deterministic
+    }
+}
+
+__device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
+    const float amax = __uint_as_float(amax_bits);
+    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // zero, inf or NaN: leave as is
+    int e;
+    frexpf(amax, &e);  // amax < 2^e
+    return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
+}
+
+// Two floats → one 32-bit word of two fp16, round to nearest; `lo` is the first in memory.
+// (PTX instead of cuda_fp16.h, so that NVRTC needs no toolkit headers.)
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(HALF_THREADS)
+half_convert(const float4* __restrict__ x, uint2* __restrict__ y, long long n4,
+             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    const float s = pow2_scale(*amax_bits);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = 1.f / s;
+    for (long long i = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; i < n4;
+         i += (long long)gridDim.x * HALF_THREADS) {
+        const float4 v = x[i];
+        y[i] = make_uint2(pack_half2(v.x * s, v.y * s), pack_half2(v.z * s, v.w * s));
+    }
+}
+
+extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n) {
+    const int i = threadIdx.x / n, j = threadIdx.x % n;
+    if (i < n) alpha[threadIdx.x] = inv_scale[i] * inv_scale[j];
+}

@@ -1,0 +1,147 @@
+"""The CuPy backend on a GPU, against the float64 reference (marker ``gpu``)."""
+import functools
+import hashlib
+
+import numpy
+import pytest
+
+from cupy_xattn import cases, cross_attention_backward, reference
+from cupy_xattn.grads import CrossAttentionGrads
+
+pytestmark = pytest.mark.gpu
+
+PRECISIONS = ("fp32", "tf32", "fp16")
+SUITE = cases.load_suite("sol-execbench")
+# Relative max error (max|x - y| / max|y|) each mode must stay under on the edge shapes.
+EDGE_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2}
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+@functools.lru_cache(maxsize=2)
+def _case_data(case, seed, hidden_size=1024, num_heads=16):
+    inputs = cases.make_inputs(case, hidden_size=hidden_size, seed=seed)
+    return inputs, reference.backward(**inputs, num_heads=num_heads)
+
+
+def _on_gpu(inputs):
+    cupy = _cupy()
+    return {name: cupy.asarray(array) for name, array in inputs.items()}
+
+
+def _relative_errors(got, ref):
+    """max|x − y| / max|y| per output.
+
+    An output whose reference is zero up to rounding (grad_key_bias always; dQ and dK when
+    Nt = 1) is measured against max|grad_value_bias| instead.
+    """
+    fallback = numpy.abs(ref.grad_value_bias).max()
+    errors = {}
+    for name, x, y in zip(CrossAttentionGrads._fields, got, ref):
+        x = _cupy().asnumpy(x) if not isinstance(x, numpy.ndarray) else x
+        size = numpy.abs(y).max()
+        size = fallback if name == "grad_key_bias" or size < 1e-9 * fallback else size
+        errors[name] = float(numpy.abs(x.astype(numpy.float64) - y).max() / size)
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("case", SUITE, ids=[c.label for c in SUITE])
+def test_suite_case_passes_the_benchmark_rule_in_every_precision(case, seed):
+    # One float64 reference per (case, seed), checked against all three modes.
+    inputs, ref = _case_data(case, seed)
+    gpu_inputs = _on_gpu(inputs)
+    failed = {}
+    for precision in PRECISIONS:
+        got = cross_attention_backward(**gpu_inputs, precision=precision)
+        rows = cases.compare(got, ref, atol=case.atol, rtol=case.rtol, match_ratio=case.match_ratio)
+        failed[precision] = [row for row in rows if not row["passed"]]
+    assert not any(failed.values()), f"{case.label} seed {seed}: {failed}"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", [SUITE[0], SUITE[5], SUITE[6]], ids=lambda c: c.label)
+def test_error_at_most_twice_the_naive_composition(case, precision):
+    from cupy_xattn import naive
+    inputs, ref = _case_data(case, 21)
+    gpu_inputs = _on_gpu(inputs)
+    ours = _relative_errors(cross_attention_backward(**gpu_inputs, precision=precision), ref)
+    baseline = _relative_errors(naive.backward(gpu_inputs, precision=precision), ref)
+    # A floor of 1e-6 relative keeps fp32 outputs whose naive error is ~0 from failing on noise.
+    worse = {name: (ours[name], baseline[name]) for name in ours if ours[name] > 2 * baseline[name] + 1e-6}
+    assert not worse, f"(ours, naive) relative errors: {worse}"
+
+
+EDGE_SHAPES = [(1, 1, 77), (2, 64, 1), (1, 256, 512), (1, 691, 77), (2, 853, 93), (1, 1023, 211),
+               (1, 4097, 77), (3, 130, 33)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", EDGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_edge_shapes(shape, precision):
+    case = cases.Case(*shape, atol=0.0)
+    inputs, ref = _case_data(case, 5)
+    errors = _relative_errors(cross_attention_backward(**_on_gpu(inputs), precision=precision), ref)
+    bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE[precision]}
+    assert not bad, bad
+
+
+def test_other_head_counts_with_head_dim_64():
+    case = cases.Case(2, 100, 50, atol=0.0)
+    inputs, ref = _case_data(case, 6, hidden_size=512, num_heads=8)
+    got = cross_attention_backward(**_on_gpu(inputs), num_heads=8, precision="fp32")
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) < EDGE_TOLERANCE["fp32"], errors
+
+
+def test_head_dim_other_than_64_is_a_clear_error():
+    inputs = cases.make_inputs(cases.Case(1, 8, 8, atol=0.0), hidden_size=256, seed=1)
+    with pytest.raises(ValueError, match="head_dim"):
+        cross_attention_backward(**_on_gpu(inputs), num_heads=2)
+
+
+def _digest(arrays):
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(_cupy().asnumpy(a).tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_poisoned_out_is_fully_written_inputs_untouched_and_bitwise_repeatable(precision):
+    cupy = _cupy()
+    case = cases.Case(2, 691, 77, atol=0.16)
+    inputs, ref = _case_data(case, 7)
+    gpu_inputs = _on_gpu(inputs)
+    before = _digest(gpu_inputs.values())
+    first = cross_attention_backward(**gpu_inputs, precision=precision)
+    # Separate (non-adjacent) dWk/dWv buffers take the two-GEMM path.
+    out = CrossAttentionGrads(*(cupy.full(g.shape, numpy.nan, numpy.float32) for g in first))
+    second = cross_attention_backward(**gpu_inputs, precision=precision, out=out)
+    assert all(s is o for s, o in zip(second, out))
+    for name, a, b in zip(CrossAttentionGrads._fields, first, second):
+        assert bool(cupy.isfinite(b).all()), name
+        assert bool((a == b).all()), f"{name} differs between two calls"
+    assert _digest(gpu_inputs.values()) == before
+    assert all(row["passed"] for row in cases.compare(second, ref, atol=case.atol, rtol=case.rtol,
+                                                        match_ratio=case.match_ratio))
+
+
+def test_numpy_and_non_contiguous_inputs_give_the_same_results():
+    cupy = _cupy()
+    case = cases.Case(2, 200, 77, atol=0.0)
+    inputs, _ = _case_data(case, 8)
+    expected = cross_attention_backward(**_on_gpu(inputs))
+    from_numpy = cross_attention_backward(**inputs)
+    assert all(isinstance(g, numpy.ndarray) for g in from_numpy)
+    # Every array a strided view of a larger one, same values.
+    strided = {name: cupy.repeat(cupy.asarray(a)[..., None], 2, axis=-1)[..., 0] for name, a in inputs.items()}
+    assert not strided["video_latents"].flags.c_contiguous
+    from_strided = cross_attention_backward(**strided)
+    for name, e, n, s in zip(CrossAttentionGrads._fields, expected, from_numpy, from_strided):
+        assert numpy.array_equal(cupy.asnumpy(e), n), name
+        assert bool((e == s).all()), name
