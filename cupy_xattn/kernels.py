@@ -143,7 +143,7 @@ def _nvrtc():
         from cupy.cuda import nvrtc
 
         nvrtc.getVersion()
-    except Exception:  # ImportError without CuPy; CuPy raises various errors when libnvrtc is absent
+    except (ImportError, OSError, RuntimeError):  # no CuPy; no libnvrtc (CuPy 14 raises a RuntimeError)
         return None
     return nvrtc
 
