@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Write BENCHMARKS.md from a sweep JSON (``cupy-xattn sweep --format json``).
+
+Usage::
+
+    python3 scripts/write_benchmarks_md.py benchmarks/h200-latest.json > BENCHMARKS.md
+    python3 scripts/write_benchmarks_md.py benchmarks/h200-latest.json -o BENCHMARKS.md
+
+One table per precision of cupy_xattn: every case with its time (median, p20-p80),
+TFLOP/s, fraction of the card's measured ceiling, host time per call, every baseline's
+time and how many times faster cupy_xattn is than torch-tf32-graph; then suite means and
+the ceilings. Needs only the standard library and the package (for the means).
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cupy_xattn import bench  # noqa: E402  (after the path fix, so a checkout works without install)
+
+BASELINE_ORDER = ("torch-tf32-graph", "torch-tf32-eager", "torch-fp32-graph",
+                  "torch-fp32-eager", "naive-cupy")
+
+
+def _num(value, digits=1):
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def _pct(value):
+    return "–" if value is None else f"{100 * value:.1f} %"
+
+
+def _times(value, digits=2):
+    return "–" if value is None else f"{value:.{digits}f}×"
+
+
+def _case_key(row):
+    return (row["batch_size"], row["num_video_tokens"], row["num_text_tokens"])
+
+
+def _case_label(key):
+    return f"B={key[0]} Nv={key[1]} Nt={key[2]}"
+
+
+def _table(header, rows, left=1):
+    """A Markdown table; the first ``left`` columns (text) left-aligned, numbers right."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i < left else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _ours_cell(row):
+    if row is None:
+        return "–"
+    if row["status"] not in ("ok", "nan"):
+        return "error"
+    cell = f"{_num(row['median_us'])} ({_num(row['p20_us'])}–{_num(row['p80_us'])})"
+    return cell + (" NaN!" if row["status"] == "nan" else "")
+
+
+def _baseline_cell(row):
+    if row is None:
+        return "–"
+    if row["status"] not in ("ok", "nan"):
+        return "error"
+    return _num(row["median_us"]) + (" NaN!" if row["status"] == "nan" else "")
+
+
+def _precision_section(precision, rows, case_order, baselines):
+    ours = {_case_key(r): r for r in rows if r["impl"] == bench.IMPL and r["precision"] == precision}
+    # torch rows carry their own precision (fp32/tf32); naive rows the sweep's precision
+    others = {}
+    for r in rows:
+        if r["impl"] in baselines and (r["impl"].startswith("torch-") or r["precision"] == precision):
+            others[(r["impl"], _case_key(r))] = r
+    header = (["case", "GFLOP", "cupy_xattn µs (p20–p80)", "TFLOP/s", "of ceiling", "host µs"]
+              + [f"{b} µs" for b in baselines] + ["× vs torch-tf32-graph"])
+    table = []
+    for key in case_order:
+        r = ours.get(key)
+        gflop = r["gflop"] if r else next((o["gflop"] for (i, k), o in others.items() if k == key), None)
+        table.append([_case_label(key), _num(gflop), _ours_cell(r),
+                      _num(r and r.get("tflops")), _pct(r and r.get("fraction_of_ceiling")),
+                      _num(r and r.get("host_us"))]
+                     + [_baseline_cell(others.get((b, key))) for b in baselines]
+                     + [_times(r and r.get("speedup_vs_torch_tf32_graph"))])
+    means = {(m["precision"], m["impl"]): m for m in bench.suite_means(rows)}
+    mine = means.get((precision, bench.IMPL))
+
+    def baseline_mean(b):
+        for (p, impl), m in means.items():
+            if impl == b and (b.startswith("torch-") or p == precision):
+                return _num(m["mean_us"])
+        return "–"
+
+    if mine:
+        table.append([f"**suite mean** ({mine['n_cases']} cases)", "", f"**{_num(mine['mean_us'])}**",
+                      _num(mine["mean_tflops"]), _pct(mine["mean_fraction_of_ceiling"]),
+                      _num(mine["mean_host_us"])]
+                     + [baseline_mean(b) for b in baselines]
+                     + [_times(mine["speedup_vs_torch_tf32_graph"])])
+    errors = [r for r in ours.values() if r["status"] not in ("ok", "nan")]
+    lines = [f"## precision = {precision}", ""] + _table(header, table)
+    if errors:
+        by_message = {}
+        for r in errors:
+            # temporary compile folders differ call by call: leave them out to group
+            message = re.sub(r"/tmp/[^/\s]+/", ".../", r["status"]).replace("`", "'")
+            by_message.setdefault(message, []).append(_case_label(_case_key(r)))
+        lines += ["", "Errors:"]
+        for message, labels in by_message.items():
+            where = "every case" if len(labels) == len(case_order) else ", ".join(labels)
+            lines.append(f"- {where}: `{message}`")
+    return lines + [""]
+
+
+def render(result):
+    """The Markdown text of BENCHMARKS.md for one sweep result."""
+    meta, rows, ceilings = result["meta"], result["rows"], result.get("ceilings")
+    settings = meta.get("settings") or {}
+    out = ["# Benchmarks", "",
+           "Generated by `scripts/write_benchmarks_md.py` from the sweep JSON; do not edit by hand.", "",
+           f"- device: **{meta.get('device')}** (driver {meta.get('driver_version')}, "
+           f"CUDA runtime {meta.get('cuda_runtime_version')})",
+           f"- date (UTC): {meta.get('date_utc')}, host `{meta.get('hostname')}`, "
+           f"commit `{meta.get('git_commit')}`",
+           f"- versions: cupy {meta.get('cupy_version')}, numpy {meta.get('numpy_version')}, "
+           f"torch {meta.get('torch_version') or 'not used'}, python {meta.get('python_version')}",
+           f"- settings: backend {settings.get('backend')}, D={settings.get('hidden_size')}, "
+           f"H={settings.get('num_heads')}, {settings.get('warmup')} warm-ups, "
+           f"{settings.get('reps')} timed repetitions, median (p20–p80) of CUDA-event times; "
+           f"L2 flushed before each ({settings.get('flush_bytes')} bytes zeroed); "
+           f"{settings.get('input_sets')} input/output sets rotated; GPU idle at the start of "
+           f"each call, so launch gaps count. host µs = perf_counter around the Python call.",
+           "- TFLOP/s = (10·Mv·D² + 12·Mt·D² + 12·Mv·Nt·D) / time (WORKLOAD.md); "
+           "\"of ceiling\" = TFLOP/s / this card's measured GEMM rate at that precision; "
+           "× vs torch-tf32-graph = torch-tf32-graph time / cupy_xattn time (> 1: we are faster).",
+           "- torch rows: PyTorch autograd of the same layer, forward recompute + backward, "
+           "strict fp32 or TF32 matmuls, eager or replayed from a CUDA graph.", ""]
+    for note in meta.get("notes") or []:
+        out.append(f"> note: {note}")
+    if meta.get("notes"):
+        out.append("")
+
+    case_order = list(dict.fromkeys(_case_key(r) for r in rows))
+    present = {r["impl"] for r in rows}
+    baselines = [b for b in BASELINE_ORDER if b in present]
+    precisions = list(dict.fromkeys(r["precision"] for r in rows if r["impl"] == bench.IMPL))
+    for precision in precisions:
+        out += _precision_section(precision, rows, case_order, baselines)
+
+    means = bench.suite_means(rows)
+    if means:
+        out += ["## Suite means", ""]
+        out += _table(["precision", "impl", "cases", "mean µs", "mean host µs", "mean TFLOP/s",
+                       "mean of ceiling", "× vs torch-tf32-graph"],
+                      [[m["precision"], m["impl"], str(m["n_cases"]), _num(m["mean_us"]),
+                        _num(m["mean_host_us"]), _num(m["mean_tflops"]),
+                        _pct(m["mean_fraction_of_ceiling"]), _times(m["speedup_vs_torch_tf32_graph"])]
+                       for m in means], left=2)
+        out.append("")
+
+    if ceilings:
+        out += ["## Ceilings measured on this card", ""]
+        table = []
+        for key, what in (("fp32", "GEMM, fp32 data, CUBLAS_COMPUTE_32F"),
+                          ("tf32", "GEMM, fp32 data, CUBLAS_COMPUTE_32F_FAST_TF32"),
+                          ("fp16", "GEMM, fp16 operands, fp32 accumulation")):
+            e = ceilings.get(key) or {}
+            shape = f"{e['m']}×{e['n']}×{e['k']}" if e.get("m") else "–"
+            value = f"{_num(e.get('tflops'))} TFLOP/s" if e.get("tflops") else f"error: {e.get('error')}"
+            table.append([key, what, shape, value])
+        c = ceilings.get("copy") or {}
+        value = f"{_num(c.get('gbps'), 0)} GB/s" if c.get("gbps") else f"error: {c.get('error')}"
+        size = f"{c['bytes'] / 2**30:.0f} GiB" if c.get("bytes") else "–"
+        table.append(["copy", "device-to-device memcpy, bytes read + written", size, value])
+        out += _table(["ceiling", "what", "size", "measured"], table, left=2)
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json_path", help="sweep result (cupy-xattn sweep --format json)")
+    parser.add_argument("-o", "--output", help="write here instead of stdout")
+    args = parser.parse_args(argv)
+    with open(args.json_path) as stream:
+        result = json.load(stream)
+    text = render(result)
+    if args.output:
+        with open(args.output, "w") as stream:
+            stream.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
