@@ -6,7 +6,7 @@ import sys
 import click
 import numpy
 
-from . import __version__, cases, checks
+from . import __version__, api, cases, checks, reference
 from ._cupy import INSTALL_HINT, NoGPUError, require_gpu
 
 NUMPY_HINT = "try --backend numpy on a small shape, e.g. --shape 2x64x77 --hidden-size 256 --num-heads 4"
@@ -105,16 +105,13 @@ def check(suite, shapes, backend, hidden_size, num_heads, precision, atol, seed)
 
     Exit code 1 when any output of any case fails.
     """
-    from .api import cross_attention_backward
-    from .reference import backward as reference_backward
-
     selected = _cases(suite, shapes, atol, hidden_size, num_heads)
     _gpu_or_exit(backend)
     failed = 0
     for case in selected:
         inputs = cases.make_inputs(case, hidden_size=hidden_size, seed=seed)
-        got = cross_attention_backward(**inputs, num_heads=num_heads, precision=precision, backend=backend)
-        ref = reference_backward(*inputs.values(), num_heads=num_heads)
+        got = api.cross_attention_backward(**inputs, num_heads=num_heads, precision=precision, backend=backend)
+        ref = reference.backward(*inputs.values(), num_heads=num_heads)
         rows = cases.compare(got, ref, atol=case.atol, rtol=case.rtol, match_ratio=case.match_ratio)
         click.echo(f"case {case.label} (B x Nv x Nt), D={hidden_size}, heads={num_heads}, "
                    f"{backend}/{precision}, need {case.match_ratio:.0%} within atol + {case.rtol:g}|ref|")
@@ -144,10 +141,9 @@ def sweep(suite, shapes, backend, hidden_size, num_heads, precisions, reps, warm
 
     A progress bar goes to stderr; the table, CSV or JSON to stdout or --out.
     """
-    from . import bench
-
     selected = _cases(suite, shapes, 0.0, hidden_size, num_heads)  # sweeps time, they do not judge: no tolerance needed
     _gpu_or_exit(backend)
+    from . import bench
     with click.progressbar(length=len(selected), label="sweep", file=sys.stderr) as bar:
         result = bench.run_sweep(selected, precisions=precisions, backend=backend, reps=reps, warmup=warmup,
                                  hidden_size=hidden_size, num_heads=num_heads, baselines=baselines,
