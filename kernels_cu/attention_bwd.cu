@@ -3,7 +3,7 @@
 // Math, per (batch b, head h), with the projections already done by cuBLAS:
 //   Q = Q0 + bq  [Nv, 64]     K = K0 + bk, V = V0 + bv  [Nt, 64]     dO [Nv, 64]
 //   S = scale Q K^T,  P = softmax_rows(S),  O = P V
-//   dP = dO V^T,  D_i = rowsum(dO ∘ O)_i,  dS = P ∘ (dP − D) · scale
+//   dP = dO V^T,  D_i = rowsum(P ∘ dP)_i (= rowsum(dO ∘ O)_i),  dS = P ∘ (dP − D) · scale
 //   dQ = dS K,  dK = dS^T Q,  dV = P^T dO
 // S, P and dS live only in registers and shared memory.
 //
@@ -13,7 +13,7 @@
 //
 // Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
 // [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
-// Pass 1 streams key/value tiles with an online softmax to get each row's log-sum-exp and O.
+// Pass 1 streams key/value tiles with an online softmax to get each row's log-sum-exp, O and D.
 // Pass 2 streams them again: exact P, dP, dS; dQ accumulates in registers, the tile's dK and dV
 // are finished by the block (over its query rows) and added into its own slice of dkv_part —
 // plain stores, no atomics, so results are deterministic.
@@ -160,6 +160,24 @@ __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const 
     }
 }
 
+// dP tile = dO V^T (16 query rows of this warp × ATTN_BLOCK_KV keys).
+__device__ __forceinline__ void grad_prob_tile(float dp[ATTN_BLOCK_KV / 8][4], const float* do_s, const float* v_s,
+                                               int r0, int g, int t) {
+#pragma unroll
+    for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
+        float a[4];
+        load_a(a, do_s, LD_HD, r0, k, g, t);
+#pragma unroll
+        for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
+            float b[2];
+            load_b_trans(b, v_s, LD_HD, k, n * 8, g, t);
+            mma(dp[n], a, b);
+        }
+    }
+}
+
 // Store a warp's 16-row accumulator tile (C layout) to shared memory.
 template <int NT>
 __device__ __forceinline__ void store_acc(float* m, int ld, int r0, const float c[NT][4], int g, int t) {
@@ -254,8 +272,11 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
         load_tile<ATTN_BLOCK_Q>(q_s, q_b, hidden, q_row0, n_video, bq + col);
         load_tile<ATTN_BLOCK_Q>(do_s, do_b, hidden, q_row0, n_video, nullptr);
 
-        // ---- pass 1: online softmax → log-sum-exp (log2 units) and O ----
-        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+        // ---- pass 1: online softmax → log-sum-exp (log2 units), O, and D = rowsum(P ∘ dP) ----
+        // D is taken from the same dP products that pass 2 uses (not from dO ∘ O), so each row
+        // of dS sums to zero up to rounding: with D from O, the mismatch between the rounding
+        // of O and of dP becomes a systematic error in dQ, dWq, dbq and dbk.
+        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
         float o_acc[NT_HD][4];
 #pragma unroll
         for (int n = 0; n < NT_HD; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
@@ -265,8 +286,9 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             load_tile<ATTN_BLOCK_KV>(k_s, k_b, ld_kv, kv0, n_text, bk + col);
             load_tile<ATTN_BLOCK_KV>(v_s, v_b, ld_kv, kv0, n_text, bv + col);
             __syncthreads();
-            float s[NT_KV][4];
+            float s[NT_KV][4], dp[NT_KV][4];
             score_tile(s, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+            grad_prob_tile(dp, do_s, v_s, r0, g, t);
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -276,14 +298,19 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 mx = quad_max(mx);  // finite: every tile holds at least one valid key
                 corr[h] = exp2f(m_run[h] - mx);
                 m_run[h] = mx;
-                float sum = 0.f;
+                float sum = 0.f, dot = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT_KV; ++n) {
-                    s[n][2 * h] = exp2f(s[n][2 * h] - mx);
-                    s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - mx);
-                    sum += s[n][2 * h] + s[n][2 * h + 1];
+#pragma unroll
+                    for (int i = 2 * h; i < 2 * h + 2; ++i) {
+                        s[n][i] = exp2f(s[n][i] - mx);
+                        sum += s[n][i];
+                        dot += s[n][i] * dp[n][i];
+                    }
                 }
-                l_run[h] = l_run[h] * corr[h] + sum;  // per-thread partial; summed over the quad at the end
+                // Per-thread partials, summed over the quad at the end.
+                l_run[h] = l_run[h] * corr[h] + sum;
+                d_run[h] = d_run[h] * corr[h] + dot;
             }
 #pragma unroll
             for (int n = 0; n < NT_HD; ++n) {
@@ -306,28 +333,20 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             __syncwarp();
         }
 
-        // Finish O and the row statistics; write O (needed by the dWo GEMM); D = rowsum(dO ∘ O).
+        // Finish the row statistics and O; write O (the dWo GEMM needs it).
         float lse[2], d_row[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float l = quad_sum(l_run[h]);
             lse[h] = m_run[h] + log2f(l);
             const float inv_l = 1.f / l;
-            const int row = r0 + g + 8 * h;
-            float d = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_HD; ++n) {
-                o_acc[n][2 * h] *= inv_l;
-                o_acc[n][2 * h + 1] *= inv_l;
-                const float2 dov = *reinterpret_cast<const float2*>(do_s + row * LD_HD + n * 8 + 2 * t);
-                d += o_acc[n][2 * h] * dov.x + o_acc[n][2 * h + 1] * dov.y;
-            }
-            d_row[h] = quad_sum(d);
-            if (q_row0 + row < n_video) {
+            d_row[h] = quad_sum(d_run[h]) * inv_l;
+            const int row = q_row0 + r0 + g + 8 * h;
+            if (row < n_video) {
 #pragma unroll
                 for (int n = 0; n < NT_HD; ++n)
-                    *reinterpret_cast<float2*>(o_b + (long long)(q_row0 + row) * hidden + n * 8 + 2 * t) =
-                        make_float2(o_acc[n][2 * h], o_acc[n][2 * h + 1]);
+                    *reinterpret_cast<float2*>(o_b + (long long)row * hidden + n * 8 + 2 * t) =
+                        make_float2(o_acc[n][2 * h] * inv_l, o_acc[n][2 * h + 1] * inv_l);
             }
         }
 
@@ -350,19 +369,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 for (int i = 0; i < 4; ++i) p[n][i] = exp2f(p[n][i] - lse[i / 2]);
 
             float dp[NT_KV][4];
-#pragma unroll
-            for (int n = 0; n < NT_KV; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-#pragma unroll
-            for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
-                float a[4];
-                load_a(a, do_s, LD_HD, r0, k, g, t);
-#pragma unroll
-                for (int n = 0; n < NT_KV; ++n) {
-                    float b[2];
-                    load_b_trans(b, v_s, LD_HD, k, n * 8, g, t);
-                    mma(dp[n], a, b);
-                }
-            }
+            grad_prob_tile(dp, do_s, v_s, r0, g, t);
 
             // dV = P^T dO for this key tile, over the block's query rows.
             store_acc<NT_KV>(p_s, LD_KV, r0, p, g, t);
