@@ -20,7 +20,7 @@
 //
 // Matrix products use mma.sync m16n8k8 TF32 with fp32 accumulation. ATTN_SPLIT3 = 1 gives the
 // fp32 mode: each operand x = big + small (big = tf32(x), small = tf32(x − big)), and a·b is
-// big·big + big·small + small·big, which restores about fp32 accuracy.
+// big·big + big·small + small·big, which restores about fp32 accuracy (see mma()).
 
 #ifndef ATTN_BLOCK_Q
 #define ATTN_BLOCK_Q 64
@@ -66,8 +66,11 @@ __device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c += a·b on fp32 fragments: one TF32 product, or three for the error-compensated split.
-__device__ __forceinline__ void mma(float c[4], const float a[4], const float b[2]) {
+// c += a·b on fp32 fragments: one TF32 product, or, for the error-compensated split, big·big
+// into c and the two correction terms into c_lo. The tensor cores truncate the accumulator when
+// they add, so the corrections get an accumulator of their own, of their own (small) magnitude;
+// fold() adds it in once the products are done. Without the split c_lo is unused.
+__device__ __forceinline__ void mma(float c[4], float c_lo[4], const float a[4], const float b[2]) {
     unsigned ab[4], bb[2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) ab[i] = tf32_bits(a[i]);
@@ -79,10 +82,26 @@ __device__ __forceinline__ void mma(float c[4], const float a[4], const float b[
     for (int i = 0; i < 4; ++i) as[i] = tf32_bits(a[i] - __uint_as_float(ab[i]));
 #pragma unroll
     for (int i = 0; i < 2; ++i) bs[i] = tf32_bits(b[i] - __uint_as_float(bb[i]));
-    mma_tf32(c, as, bb);  // small terms first: they are the smallest contributions
-    mma_tf32(c, ab, bs);
+    mma_tf32(c_lo, as, bb);
+    mma_tf32(c_lo, ab, bs);
 #endif
     mma_tf32(c, ab, bb);
+}
+
+template <int NT>
+__device__ __forceinline__ void fold(float c[NT][4], const float c_lo[NT][4]) {
+#if ATTN_SPLIT3
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[n][i] += c_lo[n][i];
+#endif
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float c[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
 }
 
 // Fragment loads from shared memory (g = lane / 4, t = lane % 4, PTX m16n8k8 .tf32 layouts).
@@ -135,9 +154,9 @@ __device__ __forceinline__ void load_tile(float* dst, const float* src, long lon
 // past n_text masked to −inf.
 __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const float* q_s, const float* k_s,
                                            int r0, int kv0, int n_text, float scale_log2, int g, int t) {
-#pragma unroll
-    for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n)
-        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    float s_lo[ATTN_BLOCK_KV / 8][4];
+    zero<ATTN_BLOCK_KV / 8>(s);
+    zero<ATTN_BLOCK_KV / 8>(s_lo);
 #pragma unroll
     for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
         float a[4];
@@ -146,9 +165,10 @@ __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const 
         for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
             float b[2];
             load_b_trans(b, k_s, LD_HD, k, n * 8, g, t);
-            mma(s[n], a, b);
+            mma(s[n], s_lo[n], a, b);
         }
     }
+    fold<ATTN_BLOCK_KV / 8>(s, s_lo);
 #pragma unroll
     for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
         const int col = kv0 + n * 8 + 2 * t;
@@ -163,8 +183,9 @@ __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const 
 // dP tile = dO V^T (16 query rows of this warp × ATTN_BLOCK_KV keys).
 __device__ __forceinline__ void grad_prob_tile(float dp[ATTN_BLOCK_KV / 8][4], const float* do_s, const float* v_s,
                                                int r0, int g, int t) {
-#pragma unroll
-    for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+    float dp_lo[ATTN_BLOCK_KV / 8][4];
+    zero<ATTN_BLOCK_KV / 8>(dp);
+    zero<ATTN_BLOCK_KV / 8>(dp_lo);
 #pragma unroll
     for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
         float a[4];
@@ -173,9 +194,10 @@ __device__ __forceinline__ void grad_prob_tile(float dp[ATTN_BLOCK_KV / 8][4], c
         for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
             float b[2];
             load_b_trans(b, v_s, LD_HD, k, n * 8, g, t);
-            mma(dp[n], a, b);
+            mma(dp[n], dp_lo[n], a, b);
         }
     }
+    fold<ATTN_BLOCK_KV / 8>(dp, dp_lo);
 }
 
 // Store a warp's 16-row accumulator tile (C layout) to shared memory.
@@ -206,20 +228,23 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
     constexpr int WARPS = ATTN_THREADS / 32;
     for (int tile = warp; tile < M_TILES * N_TILES; tile += WARPS) {
         const int m0 = (tile / N_TILES) * 16, n0 = (tile % N_TILES) * 8;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        float c[1][4], c_lo[1][4];
+        zero<1>(c);
+        zero<1>(c_lo);
 #pragma unroll
         for (int k = 0; k < ATTN_BLOCK_Q; k += 8) {
             float a[4], b[2];
             load_a_trans(a, p_s, LD_KV, m0, k, g, t);
             load_b(b, b_s, LD_HD, k, n0, g, t);
-            mma(c, a, b);
+            mma(c[0], c_lo[0], a, b);
         }
+        fold<1>(c, c_lo);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = kv0 + m0 + g + 8 * half;
             if (row < n_text) {
                 float2* p = reinterpret_cast<float2*>(dst + (long long)row * ld_dst + n0 + 2 * t);
-                float2 v = make_float2(c[2 * half], c[2 * half + 1]);
+                float2 v = make_float2(c[0][2 * half], c[0][2 * half + 1]);
                 if (accumulate) {
                     const float2 old = *p;
                     v.x += old.x; v.y += old.y;
@@ -278,8 +303,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
         // of O and of dP becomes a systematic error in dQ, dWq, dbq and dbk.
         float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
         float o_acc[NT_HD][4];
-#pragma unroll
-        for (int n = 0; n < NT_HD; ++n) o_acc[n][0] = o_acc[n][1] = o_acc[n][2] = o_acc[n][3] = 0.f;
+        zero<NT_HD>(o_acc);
 
         for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
@@ -319,6 +343,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             }
             store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
             __syncwarp();
+            float o_lo[NT_HD][4];
+            zero<NT_HD>(o_lo);
 #pragma unroll
             for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
                 float a[4];
@@ -327,9 +353,10 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 for (int n = 0; n < NT_HD; ++n) {
                     float b[2];
                     load_b(b, v_s, LD_HD, k, n * 8, g, t);
-                    mma(o_acc[n], a, b);
+                    mma(o_acc[n], o_lo[n], a, b);
                 }
             }
+            fold<NT_HD>(o_acc, o_lo);
             __syncwarp();
         }
 
@@ -352,8 +379,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];
-#pragma unroll
-        for (int n = 0; n < NT_HD; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+        zero<NT_HD>(dq_acc);
         const bool accumulate = qt != tile_begin;
 
         for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
@@ -387,6 +413,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             block_transposed_product(dk_b, ld_kv, kv0, n_text, accumulate, p_s, q_s, warp, g, t);
 
             // dQ += dS K (this warp's rows of dS only).
+            float dq_lo[NT_HD][4];
+            zero<NT_HD>(dq_lo);
 #pragma unroll
             for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
                 float a[4];
@@ -395,9 +423,10 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 for (int n = 0; n < NT_HD; ++n) {
                     float b[2];
                     load_b(b, k_s, LD_HD, k, n * 8, g, t);
-                    mma(dq_acc[n], a, b);
+                    mma(dq_acc[n], dq_lo[n], a, b);
                 }
             }
+            fold<NT_HD>(dq_acc, dq_lo);
         }
 
 #pragma unroll
