@@ -98,6 +98,19 @@ __device__ __forceinline__ void fold(float c[NT][4], const float c_lo[NT][4]) {
 #endif
 }
 
+// Split mode: acc += hi + lo in fp32 (round to nearest). A running sum over many key tiles kept
+// in a tensor-core accumulator would be truncated at every step, a bias that the row sums of
+// dWo and dWq would pile up; so each tile's product gets fresh accumulators.
+template <int NT>
+__device__ __forceinline__ void add_tile(float acc[NT][4], const float hi[NT][4], const float lo[NT][4]) {
+#if ATTN_SPLIT3
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[n][i] += hi[n][i] + lo[n][i];
+#endif
+}
+
 template <int NT>
 __device__ __forceinline__ void zero(float c[NT][4]) {
 #pragma unroll
@@ -150,25 +163,31 @@ __device__ __forceinline__ void load_tile(float* dst, const float* src, long lon
     }
 }
 
-// S tile (16 query rows of this warp × ATTN_BLOCK_KV keys), scaled to log2 units, with keys
-// past n_text masked to −inf.
-__device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const float* q_s, const float* k_s,
-                                           int r0, int kv0, int n_text, float scale_log2, int g, int t) {
-    float s_lo[ATTN_BLOCK_KV / 8][4];
-    zero<ATTN_BLOCK_KV / 8>(s);
-    zero<ATTN_BLOCK_KV / 8>(s_lo);
+// c = A B^T for this warp's 16 rows of A (a_s) and the ATTN_BLOCK_KV rows of B (b_s), both
+// row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T.
+__device__ __forceinline__ void rows_times_tile_t(float c[ATTN_BLOCK_KV / 8][4], const float* a_s,
+                                                  const float* b_s, int r0, int g, int t) {
+    float c_lo[ATTN_BLOCK_KV / 8][4];
+    zero<ATTN_BLOCK_KV / 8>(c);
+    zero<ATTN_BLOCK_KV / 8>(c_lo);
 #pragma unroll
     for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
         float a[4];
-        load_a(a, q_s, LD_HD, r0, k, g, t);
+        load_a(a, a_s, LD_HD, r0, k, g, t);
 #pragma unroll
         for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
             float b[2];
-            load_b_trans(b, k_s, LD_HD, k, n * 8, g, t);
-            mma(s[n], s_lo[n], a, b);
+            load_b_trans(b, b_s, LD_HD, k, n * 8, g, t);
+            mma(c[n], c_lo[n], a, b);
         }
     }
-    fold<ATTN_BLOCK_KV / 8>(s, s_lo);
+    fold<ATTN_BLOCK_KV / 8>(c, c_lo);
+}
+
+// S tile scaled to log2 units, keys past n_text masked to −inf.
+__device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const float* q_s, const float* k_s,
+                                           int r0, int kv0, int n_text, float scale_log2, int g, int t) {
+    rows_times_tile_t(s, q_s, k_s, r0, g, t);
 #pragma unroll
     for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
         const int col = kv0 + n * 8 + 2 * t;
@@ -178,26 +197,6 @@ __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const 
             s[n][i] = valid ? s[n][i] * scale_log2 : neg_inf();
         }
     }
-}
-
-// dP tile = dO V^T (16 query rows of this warp × ATTN_BLOCK_KV keys).
-__device__ __forceinline__ void grad_prob_tile(float dp[ATTN_BLOCK_KV / 8][4], const float* do_s, const float* v_s,
-                                               int r0, int g, int t) {
-    float dp_lo[ATTN_BLOCK_KV / 8][4];
-    zero<ATTN_BLOCK_KV / 8>(dp);
-    zero<ATTN_BLOCK_KV / 8>(dp_lo);
-#pragma unroll
-    for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
-        float a[4];
-        load_a(a, do_s, LD_HD, r0, k, g, t);
-#pragma unroll
-        for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
-            float b[2];
-            load_b_trans(b, v_s, LD_HD, k, n * 8, g, t);
-            mma(dp[n], dp_lo[n], a, b);
-        }
-    }
-    fold<ATTN_BLOCK_KV / 8>(dp, dp_lo);
 }
 
 // Store a warp's 16-row accumulator tile (C layout) to shared memory.
@@ -312,7 +311,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             __syncthreads();
             float s[NT_KV][4], dp[NT_KV][4];
             score_tile(s, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
-            grad_prob_tile(dp, do_s, v_s, r0, g, t);
+            rows_times_tile_t(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -345,6 +344,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             __syncwarp();
             float o_lo[NT_HD][4];
             zero<NT_HD>(o_lo);
+#if ATTN_SPLIT3
+            float o_hi[NT_HD][4];
+            zero<NT_HD>(o_hi);
+#else
+            float (&o_hi)[NT_HD][4] = o_acc;  // TF32: accumulate in place
+#endif
 #pragma unroll
             for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
                 float a[4];
@@ -353,10 +358,10 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 for (int n = 0; n < NT_HD; ++n) {
                     float b[2];
                     load_b(b, v_s, LD_HD, k, n * 8, g, t);
-                    mma(o_acc[n], o_lo[n], a, b);
+                    mma(o_hi[n], o_lo[n], a, b);
                 }
             }
-            fold<NT_HD>(o_acc, o_lo);
+            add_tile<NT_HD>(o_acc, o_hi, o_lo);
             __syncwarp();
         }
 
@@ -395,7 +400,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 for (int i = 0; i < 4; ++i) p[n][i] = exp2f(p[n][i] - lse[i / 2]);
 
             float dp[NT_KV][4];
-            grad_prob_tile(dp, do_s, v_s, r0, g, t);
+            rows_times_tile_t(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
 
             // dV = P^T dO for this key tile, over the block's query rows.
             store_acc<NT_KV>(p_s, LD_KV, r0, p, g, t);
@@ -415,6 +420,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
             // dQ += dS K (this warp's rows of dS only).
             float dq_lo[NT_HD][4];
             zero<NT_HD>(dq_lo);
+#if ATTN_SPLIT3
+            float dq_hi[NT_HD][4];
+            zero<NT_HD>(dq_hi);
+#else
+            float (&dq_hi)[NT_HD][4] = dq_acc;
+#endif
 #pragma unroll
             for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
                 float a[4];
@@ -423,10 +434,10 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
                 for (int n = 0; n < NT_HD; ++n) {
                     float b[2];
                     load_b(b, k_s, LD_HD, k, n * 8, g, t);
-                    mma(dq_acc[n], dq_lo[n], a, b);
+                    mma(dq_hi[n], dq_lo[n], a, b);
                 }
             }
-            fold<NT_HD>(dq_acc, dq_lo);
+            add_tile<NT_HD>(dq_acc, dq_hi, dq_lo);
         }
 
 #pragma unroll
