@@ -65,9 +65,17 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
     cupy_xattn._cupy.NoGPUError
         backend="cupy" without a usable GPU.
     """
-    arrays = checks.as_arrays(dict(zip(INPUT_NAMES, (
-        grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
-        value_weight, value_bias, output_weight, output_bias))))
+    return run((grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
+                value_weight, value_bias, output_weight, output_bias),
+               scale=scale, num_heads=num_heads, precision=precision, backend=backend, out=out)
+
+
+def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
+    """``cross_attention_backward`` on the 11 ``inputs`` in argument order.
+
+    ``plan`` (a ``plans.Plan``) runs the GPU work instead of the cache's plan for the shape.
+    """
+    arrays = checks.as_arrays(dict(zip(INPUT_NAMES, inputs)))
     out = checks.as_out(out)
     problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,
                               backend=backend, out=out)
@@ -80,7 +88,7 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
             grads = reference.backward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads)
             results = CrossAttentionGrads(*(g.astype(numpy.float32) for g in grads))
         else:
-            results = _run_on_gpu(problem, arrays, precision, out)
+            results = _run_on_gpu(problem, arrays, precision, out, plan)
 
         if out is not None:
             for buffer, result in zip(out, results):
@@ -92,14 +100,22 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
         return CrossAttentionGrads(*map(import_cupy().asarray, results))
 
 
-def _run_on_gpu(problem, arrays, precision, out):
+def _run_on_gpu(problem, arrays, precision, out, plan):
     cupy = require_gpu()
-    from . import backward
+    from . import plans
 
+    if plan is None:
+        plan = plans.cached(problem, precision)
+    elif not plan.matches(problem, precision):
+        raise ValueError(f"this plan is for B={plan.batch_size}, Nv={plan.num_video_tokens}, "
+                         f"Nt={plan.num_text_tokens}, D={plan.hidden_size}, H={plan.num_heads}, "
+                         f"{plan.precision}; the arrays give B={problem.batch_size}, "
+                         f"Nv={problem.num_video_tokens}, Nt={problem.num_text_tokens}, "
+                         f"D={problem.hidden_size}, H={problem.num_heads}, {precision}")
     inputs = tuple(cupy.ascontiguousarray(cupy.asarray(a)) for a in arrays.values())
     # The GPU code writes straight into the caller's buffers only when it can.
     direct = out is not None and all(isinstance(o, cupy.ndarray) and o.flags.c_contiguous for o in out)
-    return backward.run(problem, inputs, precision=precision, out=out if direct else None)
+    return plan.launch(inputs, problem.scale, CrossAttentionGrads(*out) if direct else None)
 
 
 def _copy_into(buffer, result):

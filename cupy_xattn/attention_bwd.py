@@ -1,6 +1,7 @@
 """Launcher of ``kernels_cu/attention_bwd.cu``: the fused attention backward.
 
-Owns the kernel names, their compile-time knobs and the grid arithmetic.
+Owns the kernel names, their compile-time knobs, the grid arithmetic and the kernel's
+workspace (the per-chunk dK/dV partials).
 """
 
 import numpy
@@ -21,9 +22,10 @@ _BLOCKS_PER_SM = 3
 _REDUCE_THREADS = 256
 
 
-def _defines(precision):
-    return {"ATTN_BLOCK_Q": BLOCK_Q, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
-            "ATTN_SPLIT3": int(precision == "fp32")}
+def check_head_dim(problem):
+    if problem.head_dim != HEAD_DIM:
+        raise ValueError(f"the CuPy backend supports head_dim {HEAD_DIM}; got hidden size "
+                         f"{problem.hidden_size} / {problem.num_heads} heads = head_dim {problem.head_dim}")
 
 
 def chunking(batch_size, num_heads, num_video_tokens, sm_count):
@@ -38,43 +40,54 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count):
     return -(-n_q_tiles // tiles_per_chunk), tiles_per_chunk
 
 
-def _kernel(name, precision):
-    kernel = kernels.get_kernel(SOURCE, name, _defines(precision))
-    if name == "attn_bwd" and kernel.max_dynamic_shared_size_bytes < _SMEM_BYTES:
-        kernel.max_dynamic_shared_size_bytes = _SMEM_BYTES
-    return kernel
-
-
-def attention_backward(problem, q0, kv0, dout, query_bias, key_bias, value_bias, *,
-                       o, dq, dkv, precision):
-    """Fused S → P → O, dP, dS → dQ, dK, dV for every (batch, head).
+class AttentionBackward:
+    """S → P → O, dP, dS → dQ, dK, dV for every (batch, head) of one problem size.
 
     Parameters
     ----------
-    q0 : (B·Nv, D) float32, X Wq^T without the bias.
-    kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases.
-    dout : (B·Nv, D) float32, dO = dY Wo.
-    query_bias, key_bias, value_bias : (D,) float32.
-    o, dq : (B·Nv, D) float32 outputs: the attention output O and dQ.
-    dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D).
+    problem : checks.Problem
+    precision : "fp32" (3xTF32 products) or "tf32"/"fp16" (TF32 products).
+    sm_count : multiprocessors of the GPU, for the grid.
     """
-    cupy = import_cupy()
-    if problem.head_dim != HEAD_DIM:
-        raise ValueError(f"the CuPy backend supports head_dim {HEAD_DIM}; got "
-                         f"{problem.hidden_size} / {problem.num_heads} = {problem.head_dim}")
-    b, nv, nt, d = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
-                    problem.hidden_size)
-    sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    n_chunks, tiles_per_chunk = chunking(b, problem.num_heads, nv, sm_count)
-    dkv_part = dkv if n_chunks == 1 else cupy.empty((n_chunks,) + dkv.shape, numpy.float32)
-    _kernel("attn_bwd", precision)(
-        (n_chunks, problem.num_heads, b), (_THREADS,),
-        (q0, query_bias, kv0, key_bias, value_bias, dout, o, dq, dkv_part,
-         numpy.int32(nv), numpy.int32(nt), numpy.int32(d), numpy.int32(tiles_per_chunk),
-         numpy.float32(problem.scale)),
-        shared_mem=_SMEM_BYTES)
-    if n_chunks > 1:
-        n4 = dkv.size // 4
-        blocks = min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)
-        _kernel("attn_dkdv_reduce", precision)(
-            (blocks,), (_REDUCE_THREADS,), (dkv_part, dkv, numpy.int64(n4), numpy.int32(n_chunks)))
+
+    def __init__(self, problem, precision, sm_count):
+        cupy = import_cupy()
+        check_head_dim(problem)
+        self.problem = problem
+        self.n_chunks, self.tiles_per_chunk = chunking(problem.batch_size, problem.num_heads,
+                                                       problem.num_video_tokens, sm_count)
+        defines = {"ATTN_BLOCK_Q": BLOCK_Q, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
+                   "ATTN_SPLIT3": int(precision == "fp32")}
+        self._main = kernels.get_kernel(SOURCE, "attn_bwd", defines)
+        if self._main.max_dynamic_shared_size_bytes < _SMEM_BYTES:
+            self._main.max_dynamic_shared_size_bytes = _SMEM_BYTES
+        self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines)
+        n_text_rows = problem.batch_size * problem.num_text_tokens
+        self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
+                          if self.n_chunks > 1 else None)
+        self._reduce_grid = (min(-(-self._dkv_part.size // 4 // _REDUCE_THREADS), 8 * sm_count),) \
+            if self.n_chunks > 1 else None
+
+    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv):
+        """Launch on the current stream.
+
+        Parameters
+        ----------
+        q0 : (B·Nv, D) float32, X Wq^T without the bias.
+        kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases.
+        bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
+        dout : (B·Nv, D) float32, dO = dY Wo.
+        o, dq : (B·Nv, D) float32 outputs: the attention output O and dQ.
+        dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D).
+        """
+        p = self.problem
+        dkv_part = dkv if self._dkv_part is None else self._dkv_part
+        self._main(
+            (self.n_chunks, p.num_heads, p.batch_size), (_THREADS,),
+            (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
+             numpy.int32(p.num_video_tokens), numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size),
+             numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale)),
+            shared_mem=_SMEM_BYTES)
+        if self._dkv_part is not None:
+            self._reduce(self._reduce_grid, (_REDUCE_THREADS,),
+                         (self._dkv_part, dkv, numpy.int64(dkv.size // 4), numpy.int32(self.n_chunks)))

@@ -1,144 +1,225 @@
 """The CuPy backend: cuBLAS projections around the fused attention-backward kernel.
 
-With Mv = B·Nv video rows, Mt = B·Nt text rows and Wkv = [Wk; Wv] (2D × D):
+With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by side):
 
-    Q0 = X Wq^T      KV0 = T Wkv^T      dO = dY Wo                    (biases added in the kernel)
-    attention kernel → O, dQ, dKV = [dK | dV]
-    dWo = dY^T O     dX = dQ Wq     dWq = dQ^T X     dT = dKV Wkv     [dWk; dWv] = dKV^T T
-    dbo, dbq, [dbk | dbv] = column sums of dY, dQ, dKV                (fp32 GEMMs with a ones row)
+    Q0 = X Wq^T            [K0 | V0] = T [Wk | Wv]^T (one batched GEMM)     dO = dY Wo
+    attention kernel → O, dQ, dKV = [dK | dV]                  (biases bq, bk, bv added inside)
+    dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = dK Wk + dV Wv    [dWk | dWv] = [dK | dV]^T T
+    dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
 
 Every GEMM runs at the mode's precision: fp32 (IEEE FFMA), tf32 (TF32 tensor cores) or fp16
 (operands copied to fp16 with per-tensor power-of-two scales, undone by each GEMM's alpha).
-The bias sums stay in fp32 in every mode. No step uses atomics whose order varies, so two
-calls give bitwise-identical results.
-"""
+The bias sums stay fp32 in every mode. Nothing uses atomics whose order varies: two calls give
+bitwise-identical results.
 
-import functools
+A :class:`Backward` is built once per (problem size, precision, stream): it owns every
+intermediate buffer and a cuBLAS handle, and records its launches as a list of steps. The
+caller's arrays are never baked into a step: each step reads their addresses from a device
+pointer table (kernels dereference it; cuBLAS takes it through ``cublasGemmBatchedEx``), which
+:meth:`Backward.bind` rewrites before every run. So the same steps can be captured once into a
+CUDA graph and replayed with new arrays every call (see ``plans.py``).
+"""
 
 import numpy
 
-from . import gemm
+from . import _cublas
+from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
-from .attention_bwd import attention_backward
-from .grads import CrossAttentionGrads
+from .attention_bwd import AttentionBackward
+from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler
 
-# Scale slots of the fp16 mode, one per GEMM operand.
+OUTPUT_NAMES = CrossAttentionGrads._fields
+
+_OP_N, _OP_T = 0, 1
+_H2D = 1
+
+# fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
 _N_SLOTS = 9
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id):
-    return import_cupy().cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+class PointerTable:
+    """Device array of addresses, rewritten before each run.
+
+    An entry is either a caller array, ``(name, byte_offset)``, or a fixed address (int) of a
+    buffer the backward owns. Consecutive entries form the pointer arrays of batched GEMMs.
+    """
+
+    def __init__(self):
+        self._entries = []
+        self.device = None
+
+    def add(self, *entries):
+        """Append entries; returns the index of the first."""
+        index = len(self._entries)
+        self._entries.extend(entries)
+        return index
+
+    def finalize(self):
+        cupy = import_cupy()
+        names = {name: i for i, name in enumerate(INPUT_NAMES + OUTPUT_NAMES)}
+        caller = [i for i, e in enumerate(self._entries) if isinstance(e, tuple)]
+        self._host = numpy.array([0 if isinstance(e, tuple) else e for e in self._entries], numpy.uint64)
+        self._caller_index = numpy.array(caller, numpy.intp)
+        self._caller_name = numpy.array([names[self._entries[i][0]] for i in caller], numpy.intp)
+        self._caller_offset = numpy.array([self._entries[i][1] for i in caller], numpy.uint64)
+        self.device = cupy.zeros(len(self._entries), numpy.uint64)
+
+    def address(self, index):
+        return self.device.data.ptr + 8 * index
+
+    def bind(self, addresses, stream):
+        """Write the table for the caller arrays at ``addresses`` (uint64, inputs then outputs).
+
+        The copy is from pageable memory, which CUDA stages before returning: the host array
+        can change right away, and the copy is ordered on ``stream`` before the run.
+        """
+        self._host[self._caller_index] = addresses[self._caller_name] + self._caller_offset
+        import_cupy().cuda.runtime.memcpyAsync(self.device.data.ptr, self._host.ctypes.data,
+                                               self._host.nbytes, _H2D, stream.ptr)
 
 
-_ones_cache = {}  # device id -> CuPy ones vector, grown on demand (rows of the bias sums)
-
-
-def _ones(cupy, n):
-    device = cupy.cuda.Device().id
-    ones = _ones_cache.get(device)
-    if ones is None or ones.size < n:
-        ones = _ones_cache[device] = cupy.ones(max(n, 4096), numpy.float32)
-    return ones[:n].reshape(1, n)
-
-
-class _Operands:
-    """GEMM operands of one precision mode: the fp32 arrays themselves, or scaled fp16 copies."""
-
-    def __init__(self, precision, sm_count):
-        self.compute = gemm.COMPUTE_TYPE[precision]
-        self.scaler = HalfScaler(_N_SLOTS, sm_count) if precision == "fp16" else None
-
-    def add(self, x, slot):
-        return (x if self.scaler is None else self.scaler.convert(x, slot)), slot
-
-    def ready(self):
-        """Make the alphas of the operands added so far available to the GEMMs that follow."""
-        if self.scaler is not None:
-            self.scaler.update_alphas()
-
-    def matmul(self, a, b, c, **kwargs):
-        (a, i), (b, j) = a, b
-        alpha_device = None if self.scaler is None else self.scaler.alpha(i, j)
-        gemm.matmul(a, b, c, compute=self.compute, alpha_device=alpha_device, **kwargs)
-
-
-def allocate_grads(problem):
-    """Fresh outputs; dWk and dWv are adjacent so that one GEMM writes both."""
-    cupy = import_cupy()
-    b, nv, nt, d = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
-                    problem.hidden_size)
-    empty = functools.partial(cupy.empty, dtype=numpy.float32)
-    w_kv = empty((2, d, d))
-    return CrossAttentionGrads(
-        grad_video_latents=empty((b, nv, d)), grad_text_embeddings=empty((b, nt, d)),
-        grad_query_weight=empty((d, d)), grad_query_bias=empty(d),
-        grad_key_weight=w_kv[0], grad_key_bias=empty(d),
-        grad_value_weight=w_kv[1], grad_value_bias=empty(d),
-        grad_output_weight=empty((d, d)), grad_output_bias=empty(d))
-
-
-def run(problem, inputs, *, precision, out=None):
-    """Compute the 10 gradients on the GPU.
+class Backward:
+    """The backward of one problem size and precision, recorded as steps on ``stream``.
 
     Parameters
     ----------
-    problem : checks.Problem of a validated call.
-    inputs : the 11 arrays in the public argument order, C-contiguous float32 CuPy arrays.
+    problem : checks.Problem (its ``scale`` is baked into the attention launch).
     precision : "fp32", "tf32" or "fp16".
-    out : CrossAttentionGrads of C-contiguous float32 CuPy arrays to fill, or None.
-
-    Returns
-    -------
-    CrossAttentionGrads of CuPy arrays (``out`` itself when given).
+    stream : cupy.cuda.Stream the steps are issued (or captured) on.
+    sm_count : multiprocessors of the current GPU.
     """
-    cupy = import_cupy()
-    dy, x, t, wq, bq, wk, bk, wv, bv, wo, _ = inputs
-    b, nv, nt, d = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
-                    problem.hidden_size)
-    mv, mt = b * nv, b * nt
-    g = allocate_grads(problem) if out is None else out
-    empty = functools.partial(cupy.empty, dtype=numpy.float32)
-    sm_count = _sm_count(cupy.cuda.Device().id)
 
-    ops = _Operands(precision, sm_count)
-    X, T = ops.add(x.reshape(mv, d), _X), ops.add(t.reshape(mt, d), _T)
-    WQ, WO = ops.add(wq, _WQ), ops.add(wo, _WO)
-    WKV = ops.add(cupy.concatenate((wk, wv)), _WKV)
-    DY = ops.add(dy.reshape(mv, d), _DY)
-    ops.ready()
+    def __init__(self, problem, precision, stream, sm_count):
+        cupy = import_cupy()
+        self.problem, self.precision, self.stream = problem, precision, stream
+        b, nv, nt, d = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
+                        problem.hidden_size)
+        mv, mt = b * nv, b * nt
+        f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
+        self._attention = AttentionBackward(problem, precision, sm_count)
+        self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
+        self._o, self._dq, self._dkv = f32(mv, d), f32(mv, d), f32(mt, 2 * d)
+        self._ones = cupy.ones(max(mv, mt), numpy.float32)
+        self._constants = cupy.array([0.0, 1.0], numpy.float32)  # beta = 0, beta = alpha = 1
+        self._cublas = _cublas.Handle(stream)
+        self._table = PointerTable()
+        self._steps = []
+        self._compute = COMPUTE_TYPE[precision]
+        self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision == "fp16" else None
+        self._record(b, nv, nt, d)
+        self._table.finalize()
 
-    q0, kv0, dout = empty((mv, d)), empty((mt, 2 * d)), empty((mv, d))
-    ops.matmul(X, WQ, q0, trans_b=True)
-    ops.matmul(T, WKV, kv0, trans_b=True)
-    ops.matmul(DY, WO, dout)
+    # -- recording ---------------------------------------------------------------------------
 
-    o, dq, dkv = empty((mv, d)), empty((mv, d)), empty((mt, 2 * d))
-    attention_backward(problem, q0, kv0, dout, bq, bk, bv, o=o, dq=dq, dkv=dkv, precision=precision)
-    del q0, kv0, dout
+    def _gemm(self, a, b, c, *, m, n, k, lda, ldb, ldc, trans_a=False, trans_b=False,
+              data_type=_R_32F, compute=None, alpha=None, accumulate=False):
+        """Record row-major ``c[i] = alpha · op(a[i]) op(b[i]) (+ c[i])`` for each i of the batch.
 
-    O, DQ, DKV = ops.add(o, _O), ops.add(dq, _DQ), ops.add(dkv, _DKV)
-    ops.ready()
-    ops.matmul(DY, O, g.grad_output_weight, trans_a=True)
-    ops.matmul(DQ, WQ, g.grad_video_latents.reshape(mv, d))
-    ops.matmul(DQ, X, g.grad_query_weight, trans_a=True)
-    ops.matmul(DKV, WKV, g.grad_text_embeddings.reshape(mt, d))
-    w_k, w_v = g.grad_key_weight, g.grad_value_weight
-    if w_v.data.ptr == w_k.data.ptr + w_k.nbytes:  # adjacent: [dWk; dWv] in one GEMM
-        w_kv = cupy.ndarray((2 * d, d), numpy.float32, memptr=w_k.data)
-        ops.matmul(DKV, T, w_kv, trans_a=True)
-    else:
-        dkv_op, slot = DKV
-        ops.matmul((dkv_op[:, :d], slot), T, w_k, trans_a=True)
-        ops.matmul((dkv_op[:, d:], slot), T, w_v, trans_a=True)
+        a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
+        row-major product is computed as c^T = op(b)^T op(a)^T, so b goes first.
+        """
+        slot_b, slot_a, slot_c = self._table.add(*b), self._table.add(*a), self._table.add(*c)
+        alpha = self._constants.data.ptr + 4 if alpha is None else alpha
+        beta = self._constants.data.ptr + 4 * int(accumulate)
+        compute = self._compute if compute is None else compute
+        batch = len(c)
+        table, handle = self._table, self._cublas
+        self._steps.append(lambda: handle.gemm_batched(
+            _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k, alpha,
+            table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
+            beta, table.address(slot_c), _R_32F, ldc, batch, compute))
 
-    # Bias gradients: column sums in fp32 (a ones row times the matrix).
-    fp32 = gemm.COMPUTE_32F
-    ones_v, ones_t = _ones(cupy, mv), _ones(cupy, mt)
-    gemm.matmul(ones_v, dy.reshape(mv, d), g.grad_output_bias.reshape(1, d), compute=fp32)
-    gemm.matmul(ones_v, dq, g.grad_query_bias.reshape(1, d), compute=fp32)
-    gemm.matmul(ones_t, dkv[:, :d], g.grad_key_bias.reshape(1, d), compute=fp32)
-    gemm.matmul(ones_t, dkv[:, d:], g.grad_value_bias.reshape(1, d), compute=fp32)
-    return g
+    def _record(self, b, nv, nt, d):
+        cupy = import_cupy()
+        mv, mt = b * nv, b * nt
+        addr = lambda array, offset=0: array.data.ptr + offset  # noqa: E731
+        dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
+        g = {name: (name, 0) for name in OUTPUT_NAMES}
+
+        if self._scaler is None:
+            X, T, DY = ("video_latents", 0), ("text_embeddings", 0), ("grad_output", 0)
+            WQ, WK, WV, WO = ("query_weight", 0), ("key_weight", 0), ("value_weight", 0), ("output_weight", 0)
+            O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
+            dtype, lda_dkv = _R_32F, 2 * d
+            alpha = lambda i, j: None  # noqa: E731
+        else:
+            s = self._scaler
+            h16 = lambda *shape: cupy.empty(shape, numpy.float16)  # noqa: E731
+            x_h, t_h, wq_h, wkv_h, wo_h, dy_h = h16(mv, d), h16(mt, d), h16(d, d), h16(2 * d, d), h16(d, d), h16(mv, d)
+            o_h, dq_h, dkv_h = h16(mv, d), h16(mv, d), h16(mt, 2 * d)
+            self._halves = (x_h, t_h, wq_h, wkv_h, wo_h, dy_h, o_h, dq_h, dkv_h)  # keep alive
+            # (source entry, element count, destination, slot), in absmax-then-convert order.
+            stage_a = [(("video_latents", 0), mv * d, x_h, _X), (("text_embeddings", 0), mt * d, t_h, _T),
+                       (("query_weight", 0), d * d, wq_h, _WQ), (("key_weight", 0), d * d, wkv_h[:d], _WKV),
+                       (("value_weight", 0), d * d, wkv_h[d:], _WKV), (("output_weight", 0), d * d, wo_h, _WO),
+                       (("grad_output", 0), mv * d, dy_h, _DY)]
+            stage_b = [(addr(self._o), mv * d, o_h, _O), (addr(self._dq), mv * d, dq_h, _DQ),
+                       (addr(self._dkv), mt * 2 * d, dkv_h, _DKV)]
+            self._steps.append(lambda: s.reset(self.stream))
+            self._record_conversions(stage_a)
+            X, T, WQ, WO, DY = addr(x_h), addr(t_h), addr(wq_h), addr(wo_h), addr(dy_h)
+            WK, WV = addr(wkv_h), addr(wkv_h, 2 * d * d)
+            O, DQ = addr(o_h), addr(dq_h)
+            DK, DV = addr(dkv_h), addr(dkv_h, 2 * d)
+            dtype, lda_dkv = _R_16F, 2 * d
+            alpha = s.alpha
+
+        gemm = self._gemm
+        gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
+             data_type=dtype, alpha=alpha(_X, _WQ))
+        gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, 4 * d)], m=mt, n=d, k=d, lda=d, ldb=d,
+             ldc=2 * d, trans_b=True, data_type=dtype, alpha=alpha(_T, _WKV))
+        gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, data_type=dtype,
+             alpha=alpha(_DY, _WO))
+
+        biases = self._table.add(("query_bias", 0), ("key_bias", 0), ("value_bias", 0))
+        self._steps.append(lambda: self._attention(self._q0, self._kv0, self._table.address(biases),
+                                                   self._dout, self._o, self._dq, self._dkv))
+        if self._scaler is not None:
+            self._record_conversions(stage_b)
+
+        gemm([DY], [O], [g["grad_output_weight"]], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
+             data_type=dtype, alpha=alpha(_DY, _O))
+        gemm([DQ], [WQ], [g["grad_video_latents"]], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
+             data_type=dtype, alpha=alpha(_DQ, _WQ))
+        gemm([DQ], [X], [g["grad_query_weight"]], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
+             data_type=dtype, alpha=alpha(_DQ, _X))
+        gemm([DK], [WK], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=lda_dkv, ldb=d, ldc=d,
+             data_type=dtype, alpha=alpha(_DKV, _WKV))
+        gemm([DV], [WV], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=lda_dkv, ldb=d, ldc=d,
+             data_type=dtype, alpha=alpha(_DKV, _WKV), accumulate=True)
+        gemm([DK, DV], [T, T], [g["grad_key_weight"], g["grad_value_weight"]], m=d, n=d, k=mt,
+             lda=lda_dkv, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T))
+
+        # Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix.
+        ones = addr(self._ones)
+        fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F)
+        gemm([ones], [("grad_output", 0)], [g["grad_output_bias"]], m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
+        gemm([ones], [addr(self._dq)], [g["grad_query_bias"]], m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
+        gemm([ones, ones], [dk, dv], [g["grad_key_bias"], g["grad_value_bias"]], m=1, n=d, k=mt,
+             lda=mt, ldb=2 * d, ldc=d, **fp32)
+
+    def _record_conversions(self, tensors):
+        s, table = self._scaler, self._table
+        slots = [table.add(source) for source, *_ in tensors]
+        for slot, (_, size, _, scale_slot) in zip(slots, tensors):
+            self._steps.append(lambda slot=slot, size=size, scale_slot=scale_slot:
+                               s.absmax(table.address(slot), size, scale_slot))
+        for slot, (_, size, dest, scale_slot) in zip(slots, tensors):
+            self._steps.append(lambda slot=slot, size=size, dest=dest, scale_slot=scale_slot:
+                               s.convert(table.address(slot), size, dest, scale_slot))
+        self._steps.append(s.update_alphas)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def bind(self, addresses, stream):
+        """Point the steps at the caller's arrays (addresses: uint64, INPUT_NAMES then OUTPUT_NAMES)."""
+        self._table.bind(addresses, stream)
+
+    def run(self):
+        """Issue every step on ``self.stream`` (directly, or into a graph being captured)."""
+        with self.stream:
+            for step in self._steps:
+                step()

@@ -1,4 +1,4 @@
-"""Row-major GEMMs through cuBLAS with an explicit compute type.
+"""Row-major GEMMs through CuPy's cuBLAS binding with an explicit compute type (naive baseline).
 
 CuPy's ``matmul`` applies TF32 only to 2-D products and only through ``CUPY_TF32``, read
 once per process; calling ``gemmEx`` ourselves fixes the compute type per call.
@@ -34,19 +34,8 @@ def _row_major_2d(x, name):
     return x.strides[0] // x.itemsize
 
 
-_POINTER_MODE_HOST, _POINTER_MODE_DEVICE = 0, 1
-_device_constants = {}  # device id -> CuPy array [0, 1] (beta when alpha lives on the device)
-
-
-def _beta_on_device(cupy, accumulate):
-    device = cupy.cuda.Device().id
-    if device not in _device_constants:
-        _device_constants[device] = cupy.array([0.0, 1.0], numpy.float32)
-    return _device_constants[device].data.ptr + 4 * int(accumulate)
-
-
 def matmul(a, b, c, *, trans_a=False, trans_b=False, compute=COMPUTE_32F_FAST_TF32,
-           alpha=None, alpha_device=None, accumulate=False):
+           alpha=None, accumulate=False):
     """``c = alpha · op(a) @ op(b) (+ c if accumulate)`` for row-major 2-D CuPy arrays.
 
     Parameters
@@ -56,8 +45,6 @@ def matmul(a, b, c, *, trans_a=False, trans_b=False, compute=COMPUTE_32F_FAST_TF
     c : (M, N) float32; rows may be strided (a column block of a wider matrix).
     compute : cuBLAS compute type (``COMPUTE_32F`` or ``COMPUTE_32F_FAST_TF32``).
     alpha : a float32 NumPy array of one element (kept alive by the caller), default 1.
-    alpha_device : device address of a float32 alpha instead (read when the GEMM runs, so a
-        scale computed by an earlier kernel needs no host synchronisation).
     """
     cupy = import_cupy()
     from cupy_backends.cuda.libs import cublas
@@ -68,24 +55,16 @@ def matmul(a, b, c, *, trans_a=False, trans_b=False, compute=COMPUTE_32F_FAST_TF
     if k != k_b or c.shape != (m, n):
         raise ValueError(f"matmul shapes do not match: a {a.shape} (trans={trans_a}), "
                          f"b {b.shape} (trans={trans_b}), c {c.shape}")
+    alpha = _ONE if alpha is None else alpha
+    beta = _ONE if accumulate else _ZERO
     handle = cupy.cuda.device.get_cublas_handle()
-    if alpha_device is None:
-        alpha_ptr = (_ONE if alpha is None else alpha).ctypes.data
-        beta_ptr = (_ONE if accumulate else _ZERO).ctypes.data
-    else:
-        alpha_ptr, beta_ptr = alpha_device, _beta_on_device(cupy, accumulate)
-        cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
-    try:
-        # gemmEx sets the handle's stream to CuPy's current stream itself.
-        cublas.gemmEx(handle, _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
-                      n, m, k, alpha_ptr,
-                      b.data.ptr, _DATA_TYPE[b.dtype], ldb,
-                      a.data.ptr, _DATA_TYPE[a.dtype], lda,
-                      beta_ptr, c.data.ptr, _DATA_TYPE[c.dtype], ldc,
-                      compute, _GEMM_DEFAULT)
-    finally:
-        if alpha_device is not None:  # CuPy's own calls expect host pointers on this shared handle
-            cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+    # gemmEx sets the handle's stream to CuPy's current stream itself.
+    cublas.gemmEx(handle, _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
+                  n, m, k, alpha.ctypes.data,
+                  b.data.ptr, _DATA_TYPE[b.dtype], ldb,
+                  a.data.ptr, _DATA_TYPE[a.dtype], lda,
+                  beta.ctypes.data, c.data.ptr, _DATA_TYPE[c.dtype], ldc,
+                  compute, _GEMM_DEFAULT)
     return c
 
 

@@ -9,44 +9,52 @@ SOURCE = "half_scaling.cu"
 _THREADS = 256
 
 
-def _grid(n4, sm_count):
-    return (max(1, min(-(-n4 // _THREADS), 4 * sm_count)),)
-
-
 class HalfScaler:
-    """Scaled fp16 copies of fp32 tensors, each in a numbered slot.
+    """Scaled fp16 copies of fp32 tensors, each tensor (or group of tensors) in a numbered slot.
 
-    ``convert(x, slot)`` returns ``half(x · s_slot)``; ``alpha(i, j)`` is the device address of
-    ``1 / (s_i · s_j)``, the GEMM alpha that undoes the scaling of a product of slots i and j.
-    Call :meth:`update_alphas` after converting the slots a GEMM uses and before the GEMM.
-    Everything stays on the device: no host synchronisation.
+    Per run: :meth:`reset`, then :meth:`absmax` of every tensor of a slot, then :meth:`convert`
+    of each (``y = half(x · s_slot)``), then :meth:`update_alphas`; ``alpha(i, j)`` is the device
+    address of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j.
+    Nothing is read back to the host, so a run can be captured into a CUDA graph.
     """
 
     def __init__(self, n_slots, sm_count):
         cupy = import_cupy()
         self.n_slots = n_slots
-        self._sm_count = sm_count
-        # One zeroed buffer (one memset): amax bits, inverse scales, then the n × n alphas.
+        self._max_blocks = 4 * sm_count
+        # One buffer: amax bits, inverse scales, then the n × n alphas.
         self._state = cupy.zeros(2 * n_slots + n_slots * n_slots, numpy.float32)
-        self._amax_bits = self._state[:n_slots].view(numpy.uint32)
-        self._inv_scale = self._state[n_slots:2 * n_slots]
-        self._alpha = self._state[2 * n_slots:]
+        self._amax_bits = self._state.data.ptr
+        self._inv_scale = self._state.data.ptr + 4 * n_slots
+        self._alpha = self._state.data.ptr + 8 * n_slots
+        self._absmax = kernels.get_kernel(SOURCE, "half_absmax")
+        self._convert = kernels.get_kernel(SOURCE, "half_convert")
+        self._alphas = kernels.get_kernel(SOURCE, "half_alphas")
 
-    def convert(self, x, slot):
-        cupy = import_cupy()
-        if x.size % 4 or not x.flags.c_contiguous:
-            raise ValueError("half conversion needs a C-contiguous array whose size is a multiple of 4")
-        y = cupy.empty(x.shape, numpy.float16)
-        n4 = numpy.int64(x.size // 4)
-        grid = _grid(x.size // 4, self._sm_count)
-        kernels.get_kernel(SOURCE, "half_absmax")(grid, (_THREADS,), (x, n4, self._amax_bits[slot:]))
-        kernels.get_kernel(SOURCE, "half_convert")(
-            grid, (_THREADS,), (x, y, n4, self._amax_bits[slot:], self._inv_scale[slot:]))
-        return y
+    def _grid(self, size):
+        if size % 4:
+            raise ValueError("half conversion needs a size that is a multiple of 4")
+        return (max(1, min(-(-size // 4 // _THREADS), self._max_blocks)),), numpy.int64(size // 4)
+
+    def reset(self, stream):
+        """Zero the running maxima (first step of every run)."""
+        import_cupy().cuda.runtime.memsetAsync(self._amax_bits, 0, 4 * self.n_slots, stream.ptr)
+
+    def absmax(self, x_address, size, slot):
+        """Fold max|x| into ``slot``; ``x_address`` is the device address holding x's address."""
+        grid, n4 = self._grid(size)
+        self._absmax(grid, (_THREADS,), (numpy.uint64(x_address), n4, numpy.uint64(self._amax_bits + 4 * slot)))
+
+    def convert(self, x_address, size, y, slot):
+        """``y = half(x · s_slot)`` into the float16 array ``y`` of ``size`` elements."""
+        grid, n4 = self._grid(size)
+        self._convert(grid, (_THREADS,), (numpy.uint64(x_address), y, n4,
+                                          numpy.uint64(self._amax_bits + 4 * slot),
+                                          numpy.uint64(self._inv_scale + 4 * slot)))
 
     def update_alphas(self):
         n = self.n_slots
-        kernels.get_kernel(SOURCE, "half_alphas")((1,), (n * n,), (self._inv_scale, self._alpha, numpy.int32(n)))
+        self._alphas((1,), (n * n,), (numpy.uint64(self._inv_scale), numpy.uint64(self._alpha), numpy.int32(n)))
 
     def alpha(self, i, j):
-        return self._alpha.data.ptr + 4 * (i * self.n_slots + j)
+        return self._alpha + 4 * (i * self.n_slots + j)

@@ -10,6 +10,7 @@
 // Layouts (row-major fp32, heads side by side in the hidden dimension D = H·64):
 //   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D))
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
+//   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
 //
 // Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
 // [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
@@ -257,8 +258,7 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
-         const float* __restrict__ kv0, const float* __restrict__ bk, const float* __restrict__ bv,
+attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const float* const* __restrict__ biases,
          const float* __restrict__ dout, float* __restrict__ o, float* __restrict__ dq,
          float* __restrict__ dkv_part, int n_video, int n_text, int hidden, int tiles_per_chunk, float scale) {
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
@@ -269,6 +269,11 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ bq,
     float* v_s = k_s + ATTN_BLOCK_KV * LD_HD;               // [ATTN_BLOCK_KV][LD_HD]
     float* p_s = v_s + ATTN_BLOCK_KV * LD_HD;               // [ATTN_BLOCK_Q][LD_KV]: P, then dS
 
+    // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
+    // their addresses come from the plan's pointer table, in the order bq, bk, bv.
+    const float* bq = biases[0];
+    const float* bk = biases[1];
+    const float* bv = biases[2];
     const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;

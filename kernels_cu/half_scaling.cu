@@ -10,6 +10,9 @@
 //   half_convert:   y = half(x · s); inv_scale[0] = 1/s             grid-stride, float4 in
 //   half_alphas:    alpha[i·n + j] = inv_scale[i] · inv_scale[j]     one block, n·n ≤ 1024
 //
+// x is passed by the address of its address (a slot of the plan's pointer table), so that a
+// replayed graph reads the caller's current array.
+//
 // max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
 // bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
 
@@ -19,7 +22,8 @@
 #define HALF_THREADS 256
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
-half_absmax(const float4* __restrict__ x, long long n4, unsigned* __restrict__ amax_bits) {
+half_absmax(const float4* const* __restrict__ x_addr, long long n4, unsigned* __restrict__ amax_bits) {
+    const float4* x = *x_addr;
     float m = 0.f;
     for (long long i = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; i < n4;
          i += (long long)gridDim.x * HALF_THREADS) {
@@ -55,8 +59,9 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 }
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
-half_convert(const float4* __restrict__ x, uint2* __restrict__ y, long long n4,
+half_convert(const float4* const* __restrict__ x_addr, uint2* __restrict__ y, long long n4,
              const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    const float4* x = *x_addr;
     const float s = pow2_scale(*amax_bits);
     if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = 1.f / s;
     for (long long i = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; i < n4;

@@ -72,24 +72,26 @@ def test_out_may_be_a_list_of_strided_views(inputs):
 
 @pytest.fixture
 def mocked_gpu(monkeypatch):
-    """A 'GPU' made of NumPy: fake CuPy functions and a fake backward module that records its calls."""
+    """A 'GPU' made of NumPy: fake CuPy functions and a fake plan cache that records its launches."""
     fake_cupy = types.SimpleNamespace(ndarray=numpy.ndarray, asarray=numpy.asarray,
                                       ascontiguousarray=numpy.ascontiguousarray)
     calls = []
 
-    def run(problem, inputs, *, precision, out):
-        calls.append((problem, inputs, precision, out))
-        grads = _expected(dict(zip(cupy_xattn.grads.INPUT_NAMES, inputs)), problem.scale)
-        if out is None:
-            return CrossAttentionGrads(*grads)
-        for buffer, grad in zip(out, grads):
-            buffer[...] = grad
-        return out
+    class FakePlan:
+        def __init__(self, problem, precision):
+            self.problem, self.precision = problem, precision
 
-    backward = types.SimpleNamespace(run=run)
+        def launch(self, inputs, scale, out):
+            calls.append((self.problem, inputs, self.precision, out))
+            grads = _expected(dict(zip(cupy_xattn.grads.INPUT_NAMES, inputs)), scale)
+            if out is None:
+                return CrossAttentionGrads(*grads)
+            for buffer, grad in zip(out, grads):
+                buffer[...] = grad
+            return out
+
     monkeypatch.setattr(cupy_xattn.api, "require_gpu", lambda: fake_cupy)
-    monkeypatch.setitem(sys.modules, "cupy_xattn.backward", backward)
-    monkeypatch.setattr(cupy_xattn, "backward", backward, raising=False)
+    monkeypatch.setattr(cupy_xattn.plans, "cached", FakePlan)
     return calls
 
 

@@ -26,9 +26,11 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 
     poison = lambda shape: cupy.full(shape, numpy.nan, numpy.float32)  # noqa: E731
     o, dq, dkv = poison(q0.shape), poison(q0.shape), poison(kv0.shape)
-    attention_bwd.attention_backward(
-        problem, cupy.asarray(q0), cupy.asarray(kv0), cupy.asarray(dout),
-        cupy.asarray(bq), cupy.asarray(bk), cupy.asarray(bv), o=o, dq=dq, dkv=dkv, precision=precision)
+    biases = [cupy.asarray(b) for b in (bq, bk, bv)]
+    bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
+    sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count)
+    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv)
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q = f64(q0, n_video) + bq

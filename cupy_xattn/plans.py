@@ -1,0 +1,201 @@
+"""Plans: the backward of one shape, captured once into a CUDA graph and replayed per call.
+
+On a slow host a CuPy call costs 10–40 µs and the backward is 20–40 launches, so issuing them
+one by one costs more than the GPU work on most shapes. A plan records the launches once
+(``backward.Backward``), runs them directly on its first call, captures them into a CUDA graph,
+and from then on costs one small host-to-device copy (the pointer table with the new arrays'
+addresses) and one graph launch per call. Inputs are not copied anywhere.
+
+``cross_attention_backward`` keeps a small LRU cache of plans, keyed by shape, precision,
+device and stream, so plain callers get the same replay.
+"""
+
+import collections
+import math
+import threading
+
+import numpy
+
+from ._cupy import require_gpu
+from .backward import OUTPUT_NAMES, Backward
+from .checks import PRECISIONS, Problem
+from .grads import INPUT_NAMES, CrossAttentionGrads
+
+#: plans kept by ``cross_attention_backward`` (each holds its intermediates on the GPU).
+CACHE_SIZE = 8
+
+
+class Plan:
+    """``cross_attention_backward`` for one (B, Nv, Nt) shape, replayed from a CUDA graph.
+
+    Create with :func:`plan`. Calling it takes the arguments of ``cross_attention_backward``
+    (CuPy float32 arrays of the plan's shape; anything else goes through full validation and
+    conversion first) and returns a ``CrossAttentionGrads`` of CuPy arrays, bitwise equal to
+    the first (uncaptured) run of the same steps. Work is ordered on ``stream`` if one was given,
+    else on the stream current at each call. Thread-safe; one call at a time per plan.
+    """
+
+    def __init__(self, batch_size, num_video_tokens, num_text_tokens, *, hidden_size=1024, num_heads=16,
+                 precision="tf32", stream=None):
+        cupy = require_gpu()
+        sizes = dict(batch_size=batch_size, num_video_tokens=num_video_tokens, num_text_tokens=num_text_tokens,
+                     hidden_size=hidden_size, num_heads=num_heads)
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, (int, numpy.integer)) or v < 1]
+        if bad:
+            raise ValueError(f"plan sizes must be positive integers: {', '.join(bad)}")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
+        self.batch_size, self.num_video_tokens, self.num_text_tokens = batch_size, num_video_tokens, num_text_tokens
+        self.hidden_size, self.num_heads, self.precision = hidden_size, num_heads, precision
+        self.head_dim = hidden_size // num_heads
+        self.stream = stream
+        self.device = cupy.cuda.Device().id
+        b, nv, nt, d = batch_size, num_video_tokens, num_text_tokens, hidden_size
+        dims = {"B": b, "Nv": nv, "Nt": nt, "D": d}
+        from .checks import INPUT_SHAPES
+        self.input_shapes = tuple(tuple(dims[s] for s in INPUT_SHAPES[name]) for name in INPUT_NAMES)
+        self.output_shapes = self.input_shapes[1:]
+        self._sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
+        self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        self._programs = {}   # scale -> (Backward, graph or None)
+        self._lock = threading.Lock()
+        self._problem(1.0 / math.sqrt(self.head_dim))  # fail now on an unsupported head_dim
+
+    def _problem(self, scale):
+        problem = Problem(self.batch_size, self.num_video_tokens, self.num_text_tokens, self.hidden_size,
+                          self.num_heads, self.head_dim, scale)
+        from .attention_bwd import check_head_dim
+        check_head_dim(problem)
+        return problem
+
+    def matches(self, problem, precision):
+        return (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size,
+                problem.num_heads, precision) == (self.batch_size, self.num_video_tokens, self.num_text_tokens,
+                                                  self.hidden_size, self.num_heads, self.precision)
+
+    def _fast_path_ok(self, arrays, out, scale):
+        """True for the common call: CuPy float32 C-contiguous arrays of the plan's shapes on its GPU."""
+        cupy = require_gpu()
+        if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+            return False
+        buffers = arrays if out is None else arrays + tuple(out)
+        shapes = self.input_shapes if out is None else self.input_shapes + self.output_shapes
+        for a, shape in zip(buffers, shapes):
+            if (type(a) is not cupy.ndarray or a.dtype != numpy.float32 or a.shape != shape
+                    or not a.flags.c_contiguous or a.data.device_id != self.device):
+                return False
+        if out is not None and len(out) != len(OUTPUT_NAMES):
+            return False
+        return out is None or not _any_overlap(arrays, out)
+
+    def __call__(self, grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
+                 key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *,
+                 num_heads=None, precision=None, backend="cupy", out=None):
+        if num_heads not in (None, self.num_heads) or precision not in (None, self.precision) or backend != "cupy":
+            raise ValueError(f"this plan computes num_heads={self.num_heads}, precision={self.precision!r} on "
+                             f"backend 'cupy'; got num_heads={num_heads!r}, precision={precision!r}, "
+                             f"backend={backend!r}")
+        arrays = (grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
+                  value_weight, value_bias, output_weight, output_bias)
+        if self._fast_path_ok(arrays, out, scale):
+            scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+            return self.launch(arrays, scale, None if out is None else CrossAttentionGrads(*out))
+        from . import api  # validation, conversion and copies back, as for any call
+        return api.run(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
+                       backend="cupy", out=out, plan=self)
+
+    def launch(self, inputs, scale, out=None):
+        """Run on validated C-contiguous float32 CuPy ``inputs``; fills ``out`` or fresh arrays."""
+        cupy = require_gpu()
+        if out is None:
+            out = self._allocate(cupy)
+        stream = self.stream or cupy.cuda.get_current_stream()
+        addresses = numpy.fromiter((a.data.ptr for a in (*inputs, *out)), numpy.uint64,
+                                   count=len(INPUT_NAMES) + len(OUTPUT_NAMES))
+        with self._lock, cupy.cuda.Device(self.device):
+            program, graph = self._programs.get(scale) or (None, None)
+            if program is None:
+                program = Backward(self._problem(scale), self.precision, self._capture_stream, self._sm_count)
+            program.bind(addresses, stream)
+            if graph is not None:
+                graph.launch(stream)
+                return out
+            # First call: run the steps directly (loading every kernel), then capture them.
+            self._capture_stream.wait_event(stream.record())
+            program.run()
+            stream.wait_event(self._capture_stream.record())
+            self._capture_stream.begin_capture()
+            try:
+                program.run()
+            finally:
+                graph = self._capture_stream.end_capture()
+            self._programs[scale] = (program, graph)
+        return out
+
+    def _allocate(self, cupy):
+        sizes = [math.prod(s) for s in self.output_shapes]
+        flat = cupy.empty(sum(sizes), numpy.float32)
+        offsets = numpy.cumsum([0] + sizes)
+        return CrossAttentionGrads(*(flat[o:o + n].reshape(s)
+                                     for o, n, s in zip(offsets, sizes, self.output_shapes)))
+
+
+def _any_overlap(arrays, out):
+    """Whether any output buffer shares bytes with any input (all C-contiguous CuPy arrays)."""
+    starts = numpy.array([a.data.ptr for a in arrays], numpy.uint64)
+    ends = starts + numpy.array([a.nbytes for a in arrays], numpy.uint64)
+    for o in out:
+        lo, hi = o.data.ptr, o.data.ptr + o.nbytes
+        if numpy.any((starts < hi) & (lo < ends)):
+            return True
+    return False
+
+
+def plan(batch_size, num_video_tokens, num_text_tokens, *, hidden_size=1024, num_heads=16, precision="tf32",
+         stream=None):
+    """A reusable, graph-replayed ``cross_attention_backward`` for one shape.
+
+    Parameters
+    ----------
+    batch_size, num_video_tokens, num_text_tokens : int
+        B, Nv, Nt of the calls it will serve.
+    hidden_size, num_heads : int
+        D and H (head_dim = D / H must be 64 for the CuPy backend).
+    precision : "fp32", "tf32" or "fp16"
+    stream : cupy.cuda.Stream, optional
+        Stream to order the work on; default: the current stream at each call.
+
+    Returns
+    -------
+    Plan
+        Callable with the signature of ``cross_attention_backward``.
+    """
+    return Plan(batch_size, num_video_tokens, num_text_tokens, hidden_size=hidden_size, num_heads=num_heads,
+                precision=precision, stream=stream)
+
+
+_cache = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def cached(problem, precision):
+    """The cache's plan for this shape and precision on the current device and stream (LRU)."""
+    cupy = require_gpu()
+    stream = cupy.cuda.get_current_stream()
+    key = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size,
+           problem.num_heads, precision, cupy.cuda.Device().id, stream.ptr)
+    with _cache_lock:
+        found = _cache.get(key)
+        if found is not None:
+            _cache.move_to_end(key)
+            return found
+    made = Plan(problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
+                hidden_size=problem.hidden_size, num_heads=problem.num_heads, precision=precision, stream=stream)
+    with _cache_lock:
+        made = _cache.setdefault(key, made)
+        _cache.move_to_end(key)
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return made
