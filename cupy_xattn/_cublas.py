@@ -28,7 +28,7 @@ def _library():
     global _lib
     with _lock:
         if _lib is None:
-            from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+            import cupy_backends.cuda.libs.cublas  # noqa: F401  (maps libcublas into the process)
 
             with open("/proc/self/maps") as maps:
                 paths = {line.split()[-1] for line in maps if "libcublas.so" in line and "Lt" not in line}

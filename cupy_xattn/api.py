@@ -1,5 +1,6 @@
 """The public entry point: ``cross_attention_backward``."""
 import contextlib
+import sys
 
 import numpy
 
@@ -75,6 +76,12 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
 
     ``plan`` (a ``plans.Plan``) runs the GPU work instead of the cache's plan for the shape.
     """
+    if "cupy" in sys.modules:  # CuPy arrays are only possible once CuPy is imported
+        problem = checks.fast_validate(inputs, scale=scale, num_heads=num_heads, precision=precision,
+                                       backend=backend, out=out)
+        if problem is not None and (plan is None or plan.matches(problem, precision)):
+            plan = plan if plan is not None else _plans().cached(problem, precision)
+            return plan.launch(inputs, problem.scale, None if out is None else CrossAttentionGrads(*out))
     arrays = checks.as_arrays(dict(zip(INPUT_NAMES, inputs)))
     out = checks.as_out(out)
     problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,
@@ -100,12 +107,15 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
         return CrossAttentionGrads(*map(import_cupy().asarray, results))
 
 
+def _plans():
+    from . import plans
+    return plans
+
+
 def _run_on_gpu(problem, arrays, precision, out, plan):
     cupy = require_gpu()
-    from . import plans
-
     if plan is None:
-        plan = plans.cached(problem, precision)
+        plan = _plans().cached(problem, precision)
     elif not plan.matches(problem, precision):
         raise ValueError(f"this plan is for B={plan.batch_size}, Nv={plan.num_video_tokens}, "
                          f"Nt={plan.num_text_tokens}, D={plan.hidden_size}, H={plan.num_heads}, "

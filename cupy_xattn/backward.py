@@ -126,10 +126,19 @@ class Backward:
         compute = self._compute if compute is None else compute
         batch = len(c)
         table, handle = self._table, self._cublas
-        self._steps.append(lambda: handle.gemm_batched(
+        self._steps.append((f"gemm {m}x{n}x{k}" + (f" x{batch}" if batch > 1 else ""), lambda: handle.gemm_batched(
             _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k, alpha,
             table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
-            beta, table.address(slot_c), _R_32F, ldc, batch, compute))
+            beta, table.address(slot_c), _R_32F, ldc, batch, compute)))
+
+    def _gemm_group(self, members, **shape):
+        """Record GEMMs of one shape, ``members`` = [(a, b, c, alpha)]: one batched call when
+        they share alpha (a batched GEMM has one alpha), else one call each."""
+        alphas = {alpha for *_, alpha in members}
+        groups = [members] if len(alphas) == 1 else [[m] for m in members]
+        for group in groups:
+            a, b, c, alpha = zip(*group)
+            self._gemm(list(a), list(b), list(c), alpha=alpha[0], **shape)
 
     def _record(self, b, nv, nt, d):
         cupy = import_cupy()
@@ -157,7 +166,7 @@ class Backward:
                        (("grad_output", 0), mv * d, dy_h, _DY)]
             stage_b = [(addr(self._o), mv * d, o_h, _O), (addr(self._dq), mv * d, dq_h, _DQ),
                        (addr(self._dkv), mt * 2 * d, dkv_h, _DKV)]
-            self._steps.append(lambda: s.reset(self.stream))
+            self._steps.append(("fp16 reset", lambda: s.reset(self.stream)))
             self._record_conversions(stage_a)
             X, T, WQ, WO, DY = addr(x_h), addr(t_h), addr(wq_h), addr(wo_h), addr(dy_h)
             WK, WV = addr(wkv_h), addr(wkv_h, 2 * d * d)
@@ -175,17 +184,17 @@ class Backward:
              alpha=alpha(_DY, _WO))
 
         biases = self._table.add(("query_bias", 0), ("key_bias", 0), ("value_bias", 0))
-        self._steps.append(lambda: self._attention(self._q0, self._kv0, self._table.address(biases),
-                                                   self._dout, self._o, self._dq, self._dkv))
+        self._steps.append(("attention", lambda: self._attention(
+            self._q0, self._kv0, self._table.address(biases), self._dout, self._o, self._dq, self._dkv)))
         if self._scaler is not None:
             self._record_conversions(stage_b)
 
-        gemm([DY], [O], [g["grad_output_weight"]], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-             data_type=dtype, alpha=alpha(_DY, _O))
         gemm([DQ], [WQ], [g["grad_video_latents"]], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DQ, _WQ))
-        gemm([DQ], [X], [g["grad_query_weight"]], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-             data_type=dtype, alpha=alpha(_DQ, _X))
+        # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs.
+        self._gemm_group([(DY, O, g["grad_output_weight"], alpha(_DY, _O)),
+                          (DQ, X, g["grad_query_weight"], alpha(_DQ, _X))],
+                         m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
         gemm([DK], [WK], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=lda_dkv, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DKV, _WKV))
         gemm([DV], [WV], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=lda_dkv, ldb=d, ldc=d,
@@ -196,8 +205,8 @@ class Backward:
         # Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix.
         ones = addr(self._ones)
         fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F)
-        gemm([ones], [("grad_output", 0)], [g["grad_output_bias"]], m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
-        gemm([ones], [addr(self._dq)], [g["grad_query_bias"]], m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
+        gemm([ones, ones], [("grad_output", 0), addr(self._dq)], [g["grad_output_bias"], g["grad_query_bias"]],
+             m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
         gemm([ones, ones], [dk, dv], [g["grad_key_bias"], g["grad_value_bias"]], m=1, n=d, k=mt,
              lda=mt, ldb=2 * d, ldc=d, **fp32)
 
@@ -205,12 +214,12 @@ class Backward:
         s, table = self._scaler, self._table
         slots = [table.add(source) for source, *_ in tensors]
         for slot, (_, size, _, scale_slot) in zip(slots, tensors):
-            self._steps.append(lambda slot=slot, size=size, scale_slot=scale_slot:
-                               s.absmax(table.address(slot), size, scale_slot))
+            self._steps.append((f"absmax {size}", lambda slot=slot, size=size, scale_slot=scale_slot:
+                                s.absmax(table.address(slot), size, scale_slot)))
         for slot, (_, size, dest, scale_slot) in zip(slots, tensors):
-            self._steps.append(lambda slot=slot, size=size, dest=dest, scale_slot=scale_slot:
-                               s.convert(table.address(slot), size, dest, scale_slot))
-        self._steps.append(s.update_alphas)
+            self._steps.append((f"to fp16 {size}", lambda slot=slot, size=size, dest=dest, scale_slot=scale_slot:
+                                s.convert(table.address(slot), size, dest, scale_slot)))
+        self._steps.append(("fp16 alphas", s.update_alphas))
 
     # -- running -----------------------------------------------------------------------------
 
@@ -218,8 +227,13 @@ class Backward:
         """Point the steps at the caller's arrays (addresses: uint64, INPUT_NAMES then OUTPUT_NAMES)."""
         self._table.bind(addresses, stream)
 
-    def run(self):
-        """Issue every step on ``self.stream`` (directly, or into a graph being captured)."""
+    def run(self, between=None):
+        """Issue every step on ``self.stream`` (directly, or into a graph being captured).
+
+        ``between(label)``, if given, is called after each step (e.g. to record an event there).
+        """
         with self.stream:
-            for step in self._steps:
+            for label, step in self._steps:
                 step()
+                if between is not None:
+                    between(label)

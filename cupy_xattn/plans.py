@@ -18,7 +18,8 @@ import numpy
 
 from ._cupy import require_gpu
 from .backward import OUTPUT_NAMES, Backward
-from .checks import PRECISIONS, Problem
+from . import checks
+from .checks import INPUT_SHAPES, PRECISIONS, Problem
 from .grads import INPUT_NAMES, CrossAttentionGrads
 
 #: plans kept by ``cross_attention_backward`` (each holds its intermediates on the GPU).
@@ -54,7 +55,6 @@ class Plan:
         self.device = cupy.cuda.Device().id
         b, nv, nt, d = batch_size, num_video_tokens, num_text_tokens, hidden_size
         dims = {"B": b, "Nv": nv, "Nt": nt, "D": d}
-        from .checks import INPUT_SHAPES
         self.input_shapes = tuple(tuple(dims[s] for s in INPUT_SHAPES[name]) for name in INPUT_NAMES)
         self.output_shapes = self.input_shapes[1:]
         self._sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
@@ -75,21 +75,6 @@ class Plan:
                 problem.num_heads, precision) == (self.batch_size, self.num_video_tokens, self.num_text_tokens,
                                                   self.hidden_size, self.num_heads, self.precision)
 
-    def _fast_path_ok(self, arrays, out, scale):
-        """True for the common call: CuPy float32 C-contiguous arrays of the plan's shapes on its GPU."""
-        cupy = require_gpu()
-        if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
-            return False
-        buffers = arrays if out is None else arrays + tuple(out)
-        shapes = self.input_shapes if out is None else self.input_shapes + self.output_shapes
-        for a, shape in zip(buffers, shapes):
-            if (type(a) is not cupy.ndarray or a.dtype != numpy.float32 or a.shape != shape
-                    or not a.flags.c_contiguous or a.data.device_id != self.device):
-                return False
-        if out is not None and len(out) != len(OUTPUT_NAMES):
-            return False
-        return out is None or not _any_overlap(arrays, out)
-
     def __call__(self, grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
                  key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *,
                  num_heads=None, precision=None, backend="cupy", out=None):
@@ -99,10 +84,11 @@ class Plan:
                              f"backend={backend!r}")
         arrays = (grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
                   value_weight, value_bias, output_weight, output_bias)
-        if self._fast_path_ok(arrays, out, scale):
-            scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-            return self.launch(arrays, scale, None if out is None else CrossAttentionGrads(*out))
-        from . import api  # validation, conversion and copies back, as for any call
+        problem = checks.fast_validate(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
+                                       backend=backend, out=out)
+        if problem is not None and self.matches(problem, self.precision):
+            return self.launch(arrays, problem.scale, None if out is None else CrossAttentionGrads(*out))
+        from . import api  # full validation, conversion and copies back, as for any call
         return api.run(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
                        backend="cupy", out=out, plan=self)
 
@@ -140,17 +126,6 @@ class Plan:
         offsets = numpy.cumsum([0] + sizes)
         return CrossAttentionGrads(*(flat[o:o + n].reshape(s)
                                      for o, n, s in zip(offsets, sizes, self.output_shapes)))
-
-
-def _any_overlap(arrays, out):
-    """Whether any output buffer shares bytes with any input (all C-contiguous CuPy arrays)."""
-    starts = numpy.array([a.data.ptr for a in arrays], numpy.uint64)
-    ends = starts + numpy.array([a.nbytes for a in arrays], numpy.uint64)
-    for o in out:
-        lo, hi = o.data.ptr, o.data.ptr + o.nbytes
-        if numpy.any((starts < hi) & (lo < ends)):
-            return True
-    return False
 
 
 def plan(batch_size, num_video_tokens, num_text_tokens, *, hidden_size=1024, num_heads=16, precision="tf32",

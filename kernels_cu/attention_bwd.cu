@@ -73,11 +73,11 @@ __device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const 
 // fold() adds it in once the products are done. Without the split c_lo is unused.
 __device__ __forceinline__ void mma(float c[4], float c_lo[4], const float a[4], const float b[2]) {
     unsigned ab[4], bb[2];
+#if ATTN_SPLIT3
 #pragma unroll
     for (int i = 0; i < 4; ++i) ab[i] = tf32_bits(a[i]);
 #pragma unroll
     for (int i = 0; i < 2; ++i) bb[i] = tf32_bits(b[i]);
-#if ATTN_SPLIT3
     unsigned as[4], bs[2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) as[i] = tf32_bits(a[i] - __uint_as_float(ab[i]));
@@ -85,8 +85,25 @@ __device__ __forceinline__ void mma(float c[4], float c_lo[4], const float a[4],
     for (int i = 0; i < 2; ++i) bs[i] = tf32_bits(b[i] - __uint_as_float(bb[i]));
     mma_tf32(c_lo, as, bb);
     mma_tf32(c_lo, ab, bs);
+#else
+    // Already TF32: to_operand() rounded them when they were written to shared memory.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ab[i] = __float_as_uint(a[i]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) bb[i] = __float_as_uint(b[i]);
 #endif
     mma_tf32(c, ab, bb);
+}
+
+// Every operand goes through shared memory; it is rounded to TF32 once there, not at each of
+// its uses (a cvt per fragment element per mma cost more issue slots than the mma itself).
+// The split mode keeps fp32 in shared memory and splits in mma().
+__device__ __forceinline__ float to_operand(float x) {
+#if ATTN_SPLIT3
+    return x;
+#else
+    return __uint_as_float(tf32_bits(x));
+#endif
 }
 
 template <int NT>
@@ -159,6 +176,7 @@ __device__ __forceinline__ void load_tile(float* dst, const float* src, long lon
                 const float4 bv = *reinterpret_cast<const float4*>(bias + c);
                 v.x += bv.x; v.y += bv.y; v.z += bv.z; v.w += bv.w;
             }
+            v = make_float4(to_operand(v.x), to_operand(v.y), to_operand(v.z), to_operand(v.w));
         }
         *reinterpret_cast<float4*>(dst + r * LD_HD + c) = v;
     }
@@ -200,13 +218,15 @@ __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const 
     }
 }
 
-// Store a warp's 16-row accumulator tile (C layout) to shared memory.
+// Store a warp's 16-row accumulator tile (C layout) to shared memory, as mma operands.
 template <int NT>
 __device__ __forceinline__ void store_acc(float* m, int ld, int r0, const float c[NT][4], int g, int t) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        *reinterpret_cast<float2*>(m + (r0 + g) * ld + n * 8 + 2 * t) = make_float2(c[n][0], c[n][1]);
-        *reinterpret_cast<float2*>(m + (r0 + g + 8) * ld + n * 8 + 2 * t) = make_float2(c[n][2], c[n][3]);
+        *reinterpret_cast<float2*>(m + (r0 + g) * ld + n * 8 + 2 * t) =
+            make_float2(to_operand(c[n][0]), to_operand(c[n][1]));
+        *reinterpret_cast<float2*>(m + (r0 + g + 8) * ld + n * 8 + 2 * t) =
+            make_float2(to_operand(c[n][2]), to_operand(c[n][3]));
     }
 }
 
