@@ -241,13 +241,30 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // dst[kv rows × head_dim] (+)= A^T·B over the block's ATTN_BLOCK_Q query rows, where A is the
 // P or dS tile in p_s and B is the Q or dO tile; the (16 × 8) output tiles are dealt to warps.
+// When accumulating, the old values are all loaded before the products, so their global-memory
+// latency overlaps the arithmetic instead of following each tile.
 __device__ __forceinline__ void block_transposed_product(float* dst, long long ld_dst, int kv0, int n_text,
                                                          bool accumulate, const float* p_s, const float* b_s,
                                                          int warp, int g, int t) {
-    constexpr int M_TILES = ATTN_BLOCK_KV / 16, N_TILES = ATTN_HEAD_DIM / 8;
-    constexpr int WARPS = ATTN_THREADS / 32;
-    for (int tile = warp; tile < M_TILES * N_TILES; tile += WARPS) {
-        const int m0 = (tile / N_TILES) * 16, n0 = (tile % N_TILES) * 8;
+    constexpr int N_TILES = ATTN_HEAD_DIM / 8, WARPS = ATTN_THREADS / 32;
+    constexpr int PER_WARP = (ATTN_BLOCK_KV / 16) * N_TILES / WARPS;
+    // Element (row, n0 + 2t) of dst for output tile j of this warp; null past the last key.
+    auto at = [&](int j, int half) -> float2* {
+        const int tile = warp + j * WARPS, row = kv0 + (tile / N_TILES) * 16 + g + 8 * half;
+        return row < n_text ? reinterpret_cast<float2*>(dst + (long long)row * ld_dst + (tile % N_TILES) * 8 + 2 * t)
+                            : nullptr;
+    };
+    float2 old[PER_WARP][2];
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float2* p = at(j, half);
+            old[j][half] = accumulate && p ? *p : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j) {
+        const int tile = warp + j * WARPS, m0 = (tile / N_TILES) * 16, n0 = (tile % N_TILES) * 8;
         float c[1][4], c_lo[1][4];
         zero<1>(c);
         zero<1>(c_lo);
@@ -260,18 +277,9 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
         }
         fold<1>(c, c_lo);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = kv0 + m0 + g + 8 * half;
-            if (row < n_text) {
-                float2* p = reinterpret_cast<float2*>(dst + (long long)row * ld_dst + n0 + 2 * t);
-                float2 v = make_float2(c[0][2 * half], c[0][2 * half + 1]);
-                if (accumulate) {
-                    const float2 old = *p;
-                    v.x += old.x; v.y += old.y;
-                }
-                *p = v;
-            }
-        }
+        for (int half = 0; half < 2; ++half)
+            if (float2* p = at(j, half))
+                *p = make_float2(old[j][half].x + c[0][2 * half], old[j][half].y + c[0][2 * half + 1]);
     }
 }
 
