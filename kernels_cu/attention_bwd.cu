@@ -285,7 +285,15 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+// Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
+// accumulators do not fit that, and it runs two.
+#if ATTN_SPLIT3
+#define ATTN_MIN_BLOCKS 2
+#else
+#define ATTN_MIN_BLOCKS 3
+#endif
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
 attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const float* const* __restrict__ biases,
          const float* __restrict__ dout, float* __restrict__ o, float* __restrict__ dq,
          float* __restrict__ dkv_part, int n_video, int n_text, int hidden, int tiles_per_chunk, float scale) {
