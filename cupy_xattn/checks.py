@@ -33,6 +33,8 @@ INPUT_SHAPES = {
 _SIZE_SOURCES = ("video_latents", "text_embeddings") + tuple(
     name for name in INPUT_NAMES if name not in ("video_latents", "text_embeddings"))
 
+_FLOAT32 = numpy.dtype(numpy.float32)
+
 # Kernels index with 32-bit signed integers.
 INDEX_LIMIT = 2**31
 
@@ -157,17 +159,23 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     device = x.data.device_id
     if device != cupy.cuda.runtime.getDevice():  # the plan cache is per current device
         return None
-    for a, shape in zip(buffers, shapes):
-        if (type(a) is not ndarray or a.shape != shape or a.dtype != numpy.float32
-                or not a.flags.c_contiguous or a.data.device_id != device):
+    intervals = []
+    for i, (a, shape) in enumerate(zip(buffers, shapes)):
+        # _c_contiguous: CuPy's flag itself (``flags`` builds an object per access).
+        if (type(a) is not ndarray or a.shape != shape or a.dtype is not _FLOAT32
+                or not a._c_contiguous or a.data.device_id != device):
             return None
-    if out is not None:
-        starts = numpy.fromiter((a.data.ptr for a in buffers), numpy.uint64, len(buffers))
-        ends = starts + numpy.fromiter((a.nbytes for a in buffers), numpy.uint64, len(buffers))
-        overlap = (starts[:, None] < ends[None, :]) & (starts[None, :] < ends[:, None])
-        numpy.fill_diagonal(overlap, False)
-        if overlap[len(inputs):].any():  # an output against an input or another output
+        start = a.data.ptr
+        intervals.append((start, start + a.nbytes, i >= len(inputs)))
+    # Outputs may overlap nothing; inputs may overlap each other (the same array passed twice).
+    intervals.sort()
+    end_all = end_out = 0
+    for start, end, is_out in intervals:
+        if start < (end_all if is_out else end_out):
             return None
+        end_all = max(end_all, end)
+        if is_out:
+            end_out = max(end_out, end)
     head_dim = d // num_heads
     return Problem(b, nv, nt, d, num_heads, head_dim, 1.0 / math.sqrt(head_dim) if scale is None else float(scale))
 

@@ -11,6 +11,7 @@ device and stream, so plain callers get the same replay.
 """
 
 import collections
+import contextlib
 import math
 import threading
 
@@ -100,7 +101,7 @@ class Plan:
         stream = self.stream or cupy.cuda.get_current_stream()
         addresses = numpy.fromiter((a.data.ptr for a in (*inputs, *out)), numpy.uint64,
                                    count=len(INPUT_NAMES) + len(OUTPUT_NAMES))
-        with self._lock, cupy.cuda.Device(self.device):
+        with self._lock, _on_device(cupy, self.device):
             program, graph = self._programs.get(scale) or (None, None)
             if program is None:
                 program = Backward(self._problem(scale), self.precision, self._capture_stream, self._sm_count)
@@ -126,6 +127,11 @@ class Plan:
         offsets = numpy.cumsum([0] + sizes)
         return CrossAttentionGrads(*(flat[o:o + n].reshape(s)
                                      for o, n, s in zip(offsets, sizes, self.output_shapes)))
+
+
+def _on_device(cupy, device):
+    """A context on ``device``; free when it is already current (the usual case)."""
+    return contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)
 
 
 def plan(batch_size, num_video_tokens, num_text_tokens, *, hidden_size=1024, num_heads=16, precision="tf32",
@@ -160,7 +166,7 @@ def cached(problem, precision):
     cupy = require_gpu()
     stream = cupy.cuda.get_current_stream()
     key = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size,
-           problem.num_heads, precision, cupy.cuda.Device().id, stream.ptr)
+           problem.num_heads, precision, cupy.cuda.runtime.getDevice(), stream.ptr)
     with _cache_lock:
         found = _cache.get(key)
         if found is not None:

@@ -86,3 +86,19 @@ def test_wrong_shape_on_a_plan_is_a_clear_error():
         p(**_inputs(cases.Case(1, 65, 77, atol=0.2), 8))
     with pytest.raises(ValueError, match="this plan computes"):
         p(**_inputs(cases.Case(1, 64, 77, atol=0.2), 8), precision="fp16")
+
+
+def test_out_overlapping_an_input_or_another_out_is_refused_on_the_fast_path_too():
+    import cupy
+    inputs = _inputs(cases.Case(1, 64, 77, atol=0.2), 9)
+    good = cupy_xattn.cross_attention_backward(**inputs)
+    aliased = list(cupy.empty_like(g) for g in good)
+    aliased[2] = inputs["query_weight"]                       # grad_query_weight written over Wq
+    with pytest.raises(ValueError, match="overlaps"):
+        cupy_xattn.cross_attention_backward(**inputs, out=aliased)
+    shared = list(cupy.empty_like(g) for g in good)
+    shared[6] = shared[4]                                     # dWv and dWk in one buffer
+    with pytest.raises(ValueError, match="overlaps"):
+        cupy_xattn.cross_attention_backward(**inputs, out=shared)
+    same_input_twice = dict(inputs, value_weight=inputs["key_weight"])  # inputs may share memory
+    cupy_xattn.cross_attention_backward(**same_input_twice)
