@@ -79,9 +79,10 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
     if "cupy" in sys.modules:  # CuPy arrays are only possible once CuPy is imported
         problem = checks.fast_validate(inputs, scale=scale, num_heads=num_heads, precision=precision,
                                        backend=backend, out=out)
-        if problem is not None and (plan is None or plan.matches(problem, precision)):
+        if problem is not None and (plan is None or plan.matches(problem[0], precision)):
+            problem, addresses = problem
             plan = plan if plan is not None else _plans().cached(problem, precision)
-            return plan.launch(inputs, problem.scale, None if out is None else CrossAttentionGrads(*out))
+            return plan.launch(inputs, problem.scale, None if out is None else CrossAttentionGrads(*out), addresses)
     arrays = checks.as_arrays(dict(zip(INPUT_NAMES, inputs)))
     out = checks.as_out(out)
     problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,

@@ -44,27 +44,30 @@ class PointerTable:
 
     An entry is either a caller array, ``(name, byte_offset)``, or a fixed address (int) of a
     buffer the backward owns. Consecutive entries form the pointer arrays of batched GEMMs.
+    The device array is allocated up front, so entries have device addresses while recording.
     """
+
+    CAPACITY = 256
 
     def __init__(self):
         self._entries = []
-        self.device = None
+        self.device = import_cupy().zeros(self.CAPACITY, numpy.uint64)
 
     def add(self, *entries):
         """Append entries; returns the index of the first."""
         index = len(self._entries)
+        if index + len(entries) > self.CAPACITY:
+            raise RuntimeError(f"pointer table full ({self.CAPACITY} entries)")
         self._entries.extend(entries)
         return index
 
     def finalize(self):
-        cupy = import_cupy()
         names = {name: i for i, name in enumerate(INPUT_NAMES + OUTPUT_NAMES)}
         caller = [i for i, e in enumerate(self._entries) if isinstance(e, tuple)]
         self._host = numpy.array([0 if isinstance(e, tuple) else e for e in self._entries], numpy.uint64)
         self._caller_index = numpy.array(caller, numpy.intp)
         self._caller_name = numpy.array([names[self._entries[i][0]] for i in caller], numpy.intp)
         self._caller_offset = numpy.array([self._entries[i][1] for i in caller], numpy.uint64)
-        self.device = cupy.zeros(len(self._entries), numpy.uint64)
 
     def address(self, index):
         return self.device.data.ptr + 8 * index
@@ -211,15 +214,12 @@ class Backward:
              lda=mt, ldb=2 * d, ldc=d, **fp32)
 
     def _record_conversions(self, tensors):
-        s, table = self._scaler, self._table
-        slots = [table.add(source) for source, *_ in tensors]
-        for slot, (_, size, _, scale_slot) in zip(slots, tensors):
-            self._steps.append((f"absmax {size}", lambda slot=slot, size=size, scale_slot=scale_slot:
-                                s.absmax(table.address(slot), size, scale_slot)))
-        for slot, (_, size, dest, scale_slot) in zip(slots, tensors):
-            self._steps.append((f"to fp16 {size}", lambda slot=slot, size=size, dest=dest, scale_slot=scale_slot:
-                                s.convert(table.address(slot), size, dest, scale_slot)))
-        self._steps.append(("fp16 alphas", s.update_alphas))
+        """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest, slot)]."""
+        first = self._table.add(*(source for source, *_ in tensors))
+        absmax, convert = self._scaler.group(self._table.address(first),
+                                             [(size, dest, slot) for _, size, dest, slot in tensors])
+        self._steps += [(f"absmax x{len(tensors)}", absmax), (f"to fp16 x{len(tensors)}", convert),
+                        ("fp16 alphas", self._scaler.update_alphas)]
 
     # -- running -----------------------------------------------------------------------------
 

@@ -130,7 +130,8 @@ def _overlap(a, b):
 
 
 def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
-    """The Problem of the common call, or None to fall back on :func:`validate`.
+    """``(Problem, data pointers of inputs and outputs)`` for the common call, or None to fall
+    back on :func:`validate`.
 
     The common call: backend "cupy", CuPy float32 C-contiguous arrays on one GPU with
     consistent shapes, ``out`` None or 10 such arrays that overlap nothing. Checked with a
@@ -159,13 +160,14 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     device = x.data.device_id
     if device != cupy.cuda.runtime.getDevice():  # the plan cache is per current device
         return None
-    intervals = []
+    intervals, addresses = [], []
     for i, (a, shape) in enumerate(zip(buffers, shapes)):
         # _c_contiguous: CuPy's flag itself (``flags`` builds an object per access).
         if (type(a) is not ndarray or a.shape != shape or a.dtype is not _FLOAT32
                 or not a._c_contiguous or a.data.device_id != device):
             return None
         start = a.data.ptr
+        addresses.append(start)
         intervals.append((start, start + a.nbytes, i >= len(inputs)))
     # Outputs may overlap nothing; inputs may overlap each other (the same array passed twice).
     intervals.sort()
@@ -177,7 +179,8 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
         if is_out:
             end_out = max(end_out, end)
     head_dim = d // num_heads
-    return Problem(b, nv, nt, d, num_heads, head_dim, 1.0 / math.sqrt(head_dim) if scale is None else float(scale))
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    return Problem(b, nv, nt, d, num_heads, head_dim, scale), addresses
 
 
 def _show(symbols, dims):

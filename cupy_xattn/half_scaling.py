@@ -12,16 +12,16 @@ _THREADS = 256
 class HalfScaler:
     """Scaled fp16 copies of fp32 tensors, each tensor (or group of tensors) in a numbered slot.
 
-    Per run: :meth:`reset`, then :meth:`absmax` of every tensor of a slot, then :meth:`convert`
-    of each (``y = half(x · s_slot)``), then :meth:`update_alphas`; ``alpha(i, j)`` is the device
-    address of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j.
-    Nothing is read back to the host, so a run can be captured into a CUDA graph.
+    Per run: :meth:`reset`; then, for each :meth:`group` of tensors, its ``absmax`` and
+    ``convert`` launches (``y = half(x · s_slot)``); then :meth:`update_alphas`. ``alpha(i, j)``
+    is the device address of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM
+    of slots i and j. Nothing is read back to the host, so a run can be captured into a graph.
     """
 
     def __init__(self, n_slots, sm_count):
         cupy = import_cupy()
         self.n_slots = n_slots
-        self._max_blocks = 4 * sm_count
+        self._max_blocks = 2 * sm_count
         # One buffer: amax bits, inverse scales, then the n × n alphas.
         self._state = cupy.zeros(2 * n_slots + n_slots * n_slots, numpy.float32)
         self._amax_bits = self._state.data.ptr
@@ -30,27 +30,34 @@ class HalfScaler:
         self._absmax = kernels.get_kernel(SOURCE, "half_absmax")
         self._convert = kernels.get_kernel(SOURCE, "half_convert")
         self._alphas = kernels.get_kernel(SOURCE, "half_alphas")
-
-    def _grid(self, size):
-        if size % 4:
-            raise ValueError("half conversion needs a size that is a multiple of 4")
-        return (max(1, min(-(-size // 4 // _THREADS), self._max_blocks)),), numpy.int64(size // 4)
+        self._groups = []  # keeps each group's metadata alive
 
     def reset(self, stream):
         """Zero the running maxima (first step of every run)."""
         import_cupy().cuda.runtime.memsetAsync(self._amax_bits, 0, 4 * self.n_slots, stream.ptr)
 
-    def absmax(self, x_address, size, slot):
-        """Fold max|x| into ``slot``; ``x_address`` is the device address holding x's address."""
-        grid, n4 = self._grid(size)
-        self._absmax(grid, (_THREADS,), (numpy.uint64(x_address), n4, numpy.uint64(self._amax_bits + 4 * slot)))
+    def group(self, sources_address, tensors):
+        """Launchers ``(absmax, convert)`` for several tensors at once.
 
-    def convert(self, x_address, size, y, slot):
-        """``y = half(x · s_slot)`` into the float16 array ``y`` of ``size`` elements."""
-        grid, n4 = self._grid(size)
-        self._convert(grid, (_THREADS,), (numpy.uint64(x_address), y, n4,
-                                          numpy.uint64(self._amax_bits + 4 * slot),
-                                          numpy.uint64(self._inv_scale + 4 * slot)))
+        Parameters
+        ----------
+        sources_address : device address of consecutive addresses of the fp32 sources.
+        tensors : list of ``(size, dest, slot)``: element count, float16 CuPy destination, scale
+            slot. Tensors sharing a slot share one scale.
+        """
+        cupy = import_cupy()
+        if any(size % 4 for size, _, _ in tensors):
+            raise ValueError("half conversion needs sizes that are multiples of 4")
+        n = len(tensors)
+        meta = cupy.array([size // 4 for size, _, _ in tensors] + [dest.data.ptr for _, dest, _ in tensors]
+                          + [slot for _, _, slot in tensors], numpy.int64)
+        self._groups.append(meta)
+        blocks = max(1, min(-(-max(size for size, _, _ in tensors) // 4 // _THREADS), self._max_blocks))
+        grid, block = (blocks, n), (_THREADS,)
+        args = (numpy.uint64(sources_address), meta, numpy.int32(n))
+        amax = numpy.uint64(self._amax_bits)
+        return (lambda: self._absmax(grid, block, args + (amax,)),
+                lambda: self._convert(grid, block, args + (amax, numpy.uint64(self._inv_scale))))
 
     def update_alphas(self):
         n = self.n_slots

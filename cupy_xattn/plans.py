@@ -17,8 +17,8 @@ import threading
 
 import numpy
 
-from ._cupy import require_gpu
-from .backward import OUTPUT_NAMES, Backward
+from ._cupy import import_cupy, require_gpu
+from .backward import Backward
 from . import checks
 from .checks import INPUT_SHAPES, PRECISIONS, Problem
 from .grads import INPUT_NAMES, CrossAttentionGrads
@@ -60,8 +60,9 @@ class Plan:
         self.output_shapes = self.input_shapes[1:]
         self._sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
-        self._programs = {}   # scale -> (Backward, graph or None)
+        self._programs = {}   # scale -> (Backward, graph)
         self._lock = threading.Lock()
+        self._last_stream = None  # (stream pointer, event after the last launch) when no stream is fixed
         self._problem(1.0 / math.sqrt(self.head_dim))  # fail now on an unsupported head_dim
 
     def _problem(self, scale):
@@ -87,39 +88,55 @@ class Plan:
                   value_weight, value_bias, output_weight, output_bias)
         problem = checks.fast_validate(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
                                        backend=backend, out=out)
-        if problem is not None and self.matches(problem, self.precision):
-            return self.launch(arrays, problem.scale, None if out is None else CrossAttentionGrads(*out))
+        if problem is not None and self.matches(problem[0], self.precision):
+            problem, addresses = problem
+            return self.launch(arrays, problem.scale, None if out is None else CrossAttentionGrads(*out), addresses)
         from . import api  # full validation, conversion and copies back, as for any call
         return api.run(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
                        backend="cupy", out=out, plan=self)
 
-    def launch(self, inputs, scale, out=None):
-        """Run on validated C-contiguous float32 CuPy ``inputs``; fills ``out`` or fresh arrays."""
-        cupy = require_gpu()
+    def launch(self, inputs, scale, out=None, addresses=None):
+        """Run on validated C-contiguous float32 CuPy ``inputs``; fills ``out`` or fresh arrays.
+
+        ``addresses``: the inputs' (and, with ``out``, the outputs') data pointers, if the
+        caller has them already.
+        """
+        cupy = import_cupy()
         if out is None:
             out = self._allocate(cupy)
+            addresses = None
+        if addresses is None:
+            addresses = [a.data.ptr for a in (*inputs, *out)]
+        addresses = numpy.array(addresses, numpy.uint64)
         stream = self.stream or cupy.cuda.get_current_stream()
-        addresses = numpy.fromiter((a.data.ptr for a in (*inputs, *out)), numpy.uint64,
-                                   count=len(INPUT_NAMES) + len(OUTPUT_NAMES))
         with self._lock, _on_device(cupy, self.device):
+            if self._last_stream is not None and self._last_stream[0] != stream.ptr:
+                # The pointer table is rewritten below: let the last replay (another stream) finish reading it.
+                stream.wait_event(self._last_stream[1])
             program, graph = self._programs.get(scale) or (None, None)
             if program is None:
                 program = Backward(self._problem(scale), self.precision, self._capture_stream, self._sm_count)
             program.bind(addresses, stream)
-            if graph is not None:
+            if graph is None:
+                graph = self._first_run(program, stream)
+                self._programs[scale] = (program, graph)
+            else:
                 graph.launch(stream)
-                return out
-            # First call: run the steps directly (loading every kernel), then capture them.
-            self._capture_stream.wait_event(stream.record())
-            program.run()
-            stream.wait_event(self._capture_stream.record())
-            self._capture_stream.begin_capture()
-            try:
-                program.run()
-            finally:
-                graph = self._capture_stream.end_capture()
-            self._programs[scale] = (program, graph)
+            if self.stream is None:
+                self._last_stream = (stream.ptr, stream.record())
         return out
+
+    def _first_run(self, program, stream):
+        """Run the steps directly (loading every kernel and cuBLAS's), then capture them."""
+        self._capture_stream.wait_event(stream.record())
+        program.run()
+        stream.wait_event(self._capture_stream.record())
+        self._capture_stream.begin_capture()
+        try:
+            program.run()
+        finally:
+            graph = self._capture_stream.end_capture()
+        return graph
 
     def _allocate(self, cupy):
         sizes = [math.prod(s) for s in self.output_shapes]

@@ -6,12 +6,9 @@
 // into fp16's normal range, keeping its 11-bit relative precision. Powers of two make the
 // scaling exact; a GEMM on two scaled tensors is undone by alpha = (1/s_a)·(1/s_b).
 //
-//   half_absmax:    amax_bits[0] = max(amax_bits[0], bits(max|x|))   (zero it first)
-//   half_convert:   y = half(x · s); inv_scale[0] = 1/s             grid-stride, float4 in
-//   half_alphas:    alpha[i·n + j] = inv_scale[i] · inv_scale[j]     one block, n·n ≤ 1024
-//
-// x is passed by the address of its address (a slot of the plan's pointer table), so that a
-// replayed graph reads the caller's current array.
+//   half_absmax:    amax_bits[slot] = max(amax_bits[slot], bits(max|x|))   (zeroed first)
+//   half_convert:   y = half(x · s_slot); inv_scale[slot] = 1/s_slot      grid-stride, float4 in
+//   half_alphas:    alpha[i·n + j] = inv_scale[i] · inv_scale[j]           one block, n·n ≤ 1024
 //
 // max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
 // bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
@@ -21,13 +18,26 @@
 #endif
 #define HALF_THREADS 256
 
+// A group of tensors is converted by one launch each for absmax and convert: blockIdx.y picks
+// the tensor. sources[i] is a slot of the plan's pointer table (the caller's arrays move from
+// call to call); meta holds, for n tensors, n4[i] (element count / 4), then dest[i] (the fp16
+// copy's address), then slot[i] (its scale slot; tensors may share one).
+__device__ __forceinline__ long long group_n4(const long long* meta, int i) { return meta[i]; }
+__device__ __forceinline__ uint2* group_dest(const long long* meta, int n, int i) {
+    return reinterpret_cast<uint2*>(meta[n + i]);
+}
+__device__ __forceinline__ int group_slot(const long long* meta, int n, int i) { return (int)meta[2 * n + i]; }
+
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
-half_absmax(const float4* const* __restrict__ x_addr, long long n4, unsigned* __restrict__ amax_bits) {
-    const float4* x = *x_addr;
+half_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
+            unsigned* __restrict__ amax_bits) {
+    const int i = blockIdx.y;
+    const float4* x = sources[i];
+    const long long n4 = group_n4(meta, i);
     float m = 0.f;
-    for (long long i = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; i < n4;
-         i += (long long)gridDim.x * HALF_THREADS) {
-        const float4 v = x[i];
+    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
+         j += (long long)gridDim.x * HALF_THREADS) {
+        const float4 v = x[j];
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
         if (v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w) m = __int_as_float(0x7fc00000);
     }
@@ -38,7 +48,7 @@ half_absmax(const float4* const* __restrict__ x_addr, long long n4, unsigned* __
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
-        atomicMax(amax_bits, bits);  // max is order-independent: deterministic
+        atomicMax(amax_bits + group_slot(meta, n, i), bits);  // max is order-independent: deterministic
     }
 }
 
@@ -59,15 +69,18 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 }
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
-half_convert(const float4* const* __restrict__ x_addr, uint2* __restrict__ y, long long n4,
+half_convert(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale) {
-    const float4* x = *x_addr;
-    const float s = pow2_scale(*amax_bits);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = 1.f / s;
-    for (long long i = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; i < n4;
-         i += (long long)gridDim.x * HALF_THREADS) {
-        const float4 v = x[i];
-        y[i] = make_uint2(pack_half2(v.x * s, v.y * s), pack_half2(v.z * s, v.w * s));
+    const int i = blockIdx.y, slot = group_slot(meta, n, i);
+    const float4* x = sources[i];
+    uint2* y = group_dest(meta, n, i);
+    const long long n4 = group_n4(meta, i);
+    const float s = pow2_scale(amax_bits[slot]);
+    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[slot] = 1.f / s;  // same value for a shared slot
+    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
+         j += (long long)gridDim.x * HALF_THREADS) {
+        const float4 v = x[j];
+        y[j] = make_uint2(pack_half2(v.x * s, v.y * s), pack_half2(v.z * s, v.w * s));
     }
 }
 
