@@ -25,6 +25,7 @@ from .grads import INPUT_NAMES, CrossAttentionGrads
 
 #: plans kept by ``cross_attention_backward`` (each holds its intermediates on the GPU).
 CACHE_SIZE = 8
+_UNCAPTURED = "uncaptured"  # the graph slot of a plan that cuBLAS would not let us capture
 
 
 class Plan:
@@ -120,22 +121,39 @@ class Plan:
             if graph is None:
                 graph = self._first_run(program, stream)
                 self._programs[scale] = (program, graph)
+            elif graph is _UNCAPTURED:
+                self._run_direct(program, stream)
             else:
                 graph.launch(stream)
             if self.stream is None:
                 self._last_stream = (stream.ptr, stream.record())
         return out
 
-    def _first_run(self, program, stream):
-        """Run the steps directly (loading every kernel and cuBLAS's), then capture them."""
+    def _run_direct(self, program, stream):
+        """Issue the steps one by one on the plan's own stream, ordered after and before ``stream``."""
         self._capture_stream.wait_event(stream.record())
         program.run()
         stream.wait_event(self._capture_stream.record())
-        self._capture_stream.begin_capture()
+
+    def _first_run(self, program, stream):
+        """Run the steps directly (loading every kernel and cuBLAS's), then capture them.
+
+        cuBLAS refuses capture for some degenerate shapes (seen on the H200: B·Nv = 1 with TF32,
+        where it takes another path for a single row); such a plan stays uncaptured and issues
+        its steps on every call instead, with the same results.
+        """
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+        from ._cublas import CublasError
+
+        self._run_direct(program, stream)
         try:
-            program.run()
-        finally:
-            graph = self._capture_stream.end_capture()
+            self._capture_stream.begin_capture()
+            try:
+                program.run()
+            finally:
+                graph = self._capture_stream.end_capture()
+        except (CUDARuntimeError, CublasError):
+            return _UNCAPTURED
         return graph
 
     def _allocate(self, cupy):

@@ -203,6 +203,33 @@ __device__ __forceinline__ void rows_times_tile_t(float c[ATTN_BLOCK_KV / 8][4],
     fold<ATTN_BLOCK_KV / 8>(c, c_lo);
 }
 
+// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ATTN_BLOCK_KV]) and B (v_s or
+// k_s: [ATTN_BLOCK_KV][head_dim]): O += P V and dQ += dS K.
+__device__ __forceinline__ void rows_times_tile_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s,
+                                                    const float* b_s, int r0, int g, int t) {
+    constexpr int NT = ATTN_HEAD_DIM / 8;
+    float lo[NT][4];
+    zero<NT>(lo);
+#if ATTN_SPLIT3
+    float hi[NT][4];
+    zero<NT>(hi);
+#else
+    float (&hi)[NT][4] = acc;  // TF32: accumulate in place
+#endif
+#pragma unroll
+    for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
+        float a[4];
+        load_a(a, p_s, LD_KV, r0, k, g, t);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float b[2];
+            load_b(b, b_s, LD_HD, k, n * 8, g, t);
+            mma(hi[n], lo[n], a, b);
+        }
+    }
+    add_tile<NT>(acc, hi, lo);
+}
+
 // S tile scaled to log2 units, keys past n_text masked to −inf.
 __device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const float* q_s, const float* k_s,
                                            int r0, int kv0, int n_text, float scale_log2, int g, int t) {
@@ -383,26 +410,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             }
             store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
             __syncwarp();
-            float o_lo[NT_HD][4];
-            zero<NT_HD>(o_lo);
-#if ATTN_SPLIT3
-            float o_hi[NT_HD][4];
-            zero<NT_HD>(o_hi);
-#else
-            float (&o_hi)[NT_HD][4] = o_acc;  // TF32: accumulate in place
-#endif
-#pragma unroll
-            for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
-                float a[4];
-                load_a(a, p_s, LD_KV, r0, k, g, t);
-#pragma unroll
-                for (int n = 0; n < NT_HD; ++n) {
-                    float b[2];
-                    load_b(b, v_s, LD_HD, k, n * 8, g, t);
-                    mma(o_hi[n], o_lo[n], a, b);
-                }
-            }
-            add_tile<NT_HD>(o_acc, o_hi, o_lo);
+            rows_times_tile_add(o_acc, p_s, v_s, r0, g, t);  // O += P V
             __syncwarp();
         }
 
@@ -458,27 +466,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             __syncthreads();
             block_transposed_product(dk_b, ld_kv, kv0, n_text, accumulate, p_s, q_s, warp, g, t);
 
-            // dQ += dS K (this warp's rows of dS only).
-            float dq_lo[NT_HD][4];
-            zero<NT_HD>(dq_lo);
-#if ATTN_SPLIT3
-            float dq_hi[NT_HD][4];
-            zero<NT_HD>(dq_hi);
-#else
-            float (&dq_hi)[NT_HD][4] = dq_acc;
-#endif
-#pragma unroll
-            for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
-                float a[4];
-                load_a(a, p_s, LD_KV, r0, k, g, t);
-#pragma unroll
-                for (int n = 0; n < NT_HD; ++n) {
-                    float b[2];
-                    load_b(b, k_s, LD_HD, k, n * 8, g, t);
-                    mma(dq_hi[n], dq_lo[n], a, b);
-                }
-            }
-            add_tile<NT_HD>(dq_acc, dq_hi, dq_lo);
+            rows_times_tile_add(dq_acc, p_s, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
         }
 
 #pragma unroll
