@@ -154,7 +154,7 @@ class Backward:
             X, T, DY = ("video_latents", 0), ("text_embeddings", 0), ("grad_output", 0)
             WQ, WK, WV, WO = ("query_weight", 0), ("key_weight", 0), ("value_weight", 0), ("output_weight", 0)
             O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
-            dtype, lda_dkv = _R_32F, 2 * d
+            dtype = _R_32F
             alpha = lambda i, j: None  # noqa: E731
         else:
             s = self._scaler
@@ -162,7 +162,7 @@ class Backward:
             x_h, t_h, wq_h, wkv_h, wo_h, dy_h = h16(mv, d), h16(mt, d), h16(d, d), h16(2 * d, d), h16(d, d), h16(mv, d)
             o_h, dq_h, dkv_h = h16(mv, d), h16(mv, d), h16(mt, 2 * d)
             self._halves = (x_h, t_h, wq_h, wkv_h, wo_h, dy_h, o_h, dq_h, dkv_h)  # keep alive
-            # (source entry, element count, destination, slot), in absmax-then-convert order.
+            # (source entry, element count, fp16 destination, scale slot)
             stage_a = [(("video_latents", 0), mv * d, x_h, _X), (("text_embeddings", 0), mt * d, t_h, _T),
                        (("query_weight", 0), d * d, wq_h, _WQ), (("key_weight", 0), d * d, wkv_h[:d], _WKV),
                        (("value_weight", 0), d * d, wkv_h[d:], _WKV), (("output_weight", 0), d * d, wo_h, _WO),
@@ -175,7 +175,7 @@ class Backward:
             WK, WV = addr(wkv_h), addr(wkv_h, 2 * d * d)
             O, DQ = addr(o_h), addr(dq_h)
             DK, DV = addr(dkv_h), addr(dkv_h, 2 * d)
-            dtype, lda_dkv = _R_16F, 2 * d
+            dtype = _R_16F
             alpha = s.alpha
 
         gemm = self._gemm
@@ -198,12 +198,12 @@ class Backward:
         self._gemm_group([(DY, O, g["grad_output_weight"], alpha(_DY, _O)),
                           (DQ, X, g["grad_query_weight"], alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
-        gemm([DK], [WK], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=lda_dkv, ldb=d, ldc=d,
+        gemm([DK], [WK], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DKV, _WKV))
-        gemm([DV], [WV], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=lda_dkv, ldb=d, ldc=d,
+        gemm([DV], [WV], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DKV, _WKV), accumulate=True)
         gemm([DK, DV], [T, T], [g["grad_key_weight"], g["grad_value_weight"]], m=d, n=d, k=mt,
-             lda=lda_dkv, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T))
+             lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T))
 
         # Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix.
         ones = addr(self._ones)
