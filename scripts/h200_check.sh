@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything a GPU session verifies, in one device call (~3 minutes on a warm H200):
+# every GPU test with the GPU required, the full sweep with baselines and ceilings
+# (scripts/sweep_h200.sh: benchmarks/*.json and BENCHMARKS.md), and the accuracy tables.
+#
+#   CUPY_XATTN_GIT_COMMIT=$(git rev-parse --short HEAD) bash scripts/h200_check.sh
+#
+# Results go to $OUT when set (the device tool's folder), else to the current folder; copy
+# BENCHMARKS.md, benchmarks/h200-latest.json and accuracy.md (as docs/accuracy.md) back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 CUPY_XATTN_REQUIRE_GPU=1
+out="${OUT:-$PWD}"
+status=0
+
+python3 -m pytest tests -m gpu -q --tb=short 2>&1 | tee "$out/pytest_gpu.log" | tail -5 || status=1
+bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
+grep -A14 "suite means" "$out/sweep_table.txt"
+python3 scripts/accuracy_table.py --commit "${CUPY_XATTN_GIT_COMMIT:-unknown}" > "$out/accuracy.md" || status=1
+if grep -q FAIL "$out/accuracy.md"; then echo "accuracy: some case FAILS the benchmark rule"; status=1; fi
+exit $status
