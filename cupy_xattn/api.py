@@ -88,7 +88,7 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
     problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,
                               backend=backend, out=out)
     on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
-    devices = [a.device.id for a in arrays.values() if not isinstance(a, numpy.ndarray)]
+    devices = [a.device.id for a in (*arrays.values(), *(out or ())) if not isinstance(a, numpy.ndarray)]
     # Work on the GPU that holds the caller's CuPy arrays, whatever the current device is.
     with import_cupy().cuda.Device(devices[0]) if devices else contextlib.nullcontext():
         if backend == "numpy":
@@ -123,10 +123,17 @@ def _run_on_gpu(problem, arrays, precision, out, plan):
                          f"{plan.precision}; the arrays give B={problem.batch_size}, "
                          f"Nv={problem.num_video_tokens}, Nt={problem.num_text_tokens}, "
                          f"D={problem.hidden_size}, H={problem.num_heads}, {precision}")
-    inputs = tuple(cupy.ascontiguousarray(cupy.asarray(a)) for a in arrays.values())
+    inputs = tuple(_contiguous_aligned(cupy, a) for a in arrays.values())
     # The GPU code writes straight into the caller's buffers only when it can.
     direct = out is not None and all(isinstance(o, cupy.ndarray) and o.flags.c_contiguous for o in out)
     return plan.launch(inputs, problem.scale, CrossAttentionGrads(*out) if direct else None)
+
+
+def _contiguous_aligned(cupy, array):
+    """A C-contiguous CuPy array starting on a 16-byte boundary, copied only when needed."""
+    array = cupy.ascontiguousarray(cupy.asarray(array))
+    address = array.ctypes.data if isinstance(array, numpy.ndarray) else array.data.ptr  # NumPy: tests' fake GPU
+    return array.copy() if address % checks.INPUT_ALIGNMENT else array
 
 
 def _copy_into(buffer, result):

@@ -68,8 +68,8 @@ class AttentionBackward:
         n_text_rows = problem.batch_size * problem.num_text_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
                           if self.n_chunks > 1 else None)
-        self._reduce_grid = (min(-(-self._dkv_part.size // 4 // _REDUCE_THREADS), 8 * sm_count),) \
-            if self.n_chunks > 1 else None
+        n4 = n_text_rows * 2 * problem.hidden_size // 4  # float4s of dK|dV, each summed over the chunks
+        self._reduce_grid = (max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),)
 
     def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv):
         """Launch on the current stream.

@@ -169,7 +169,8 @@ class Backward:
                        (("grad_output", 0), mv * d, dy_h, _DY)]
             stage_b = [(addr(self._o), mv * d, o_h, _O), (addr(self._dq), mv * d, dq_h, _DQ),
                        (addr(self._dkv), mt * 2 * d, dkv_h, _DKV)]
-            self._steps.append(("fp16 reset", lambda: s.reset(self.stream)))
+            stream = self.stream
+            self._steps.append(("fp16 reset", lambda: s.reset(stream)))
             self._record_conversions(stage_a)
             X, T, WQ, WO, DY = addr(x_h), addr(t_h), addr(wq_h), addr(wo_h), addr(dy_h)
             WK, WV = addr(wkv_h), addr(wkv_h, 2 * d * d)
@@ -186,15 +187,18 @@ class Backward:
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, data_type=dtype,
              alpha=alpha(_DY, _WO))
 
-        biases = self._table.add(("query_bias", 0), ("key_bias", 0), ("value_bias", 0))
-        self._steps.append(("attention", lambda: self._attention(
-            self._q0, self._kv0, self._table.address(biases), self._dout, self._o, self._dq, self._dkv)))
+        # Steps close over what they use, not over self: an evicted plan is freed at once
+        # (no reference cycle waiting for the garbage collector).
+        biases = self._table.address(self._table.add(("query_bias", 0), ("key_bias", 0), ("value_bias", 0)))
+        attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv)
+        self._steps.append(("attention", lambda: attention(*buffers)))
         if self._scaler is not None:
             self._record_conversions(stage_b)
 
         gemm([DQ], [WQ], [g["grad_video_latents"]], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DQ, _WQ))
-        # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs.
+        # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs when they
+        # share alpha (fp32, tf32); the fp16 mode's scales differ, so two calls there.
         self._gemm_group([(DY, O, g["grad_output_weight"], alpha(_DY, _O)),
                           (DQ, X, g["grad_query_weight"], alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)

@@ -35,8 +35,12 @@ _SIZE_SOURCES = ("video_latents", "text_embeddings") + tuple(
 
 _FLOAT32 = numpy.dtype(numpy.float32)
 
-# Kernels index with 32-bit signed integers.
+# Sizes kept below 2**31 elements, so that element counts fit 32-bit signed integers.
 INDEX_LIMIT = 2**31
+# The GPU backend: batch is a grid dimension (at most 65535 blocks), and the kernels load
+# inputs as float4 (the slow path copies an input that starts off a 16-byte boundary).
+MAX_BATCH = 65535
+INPUT_ALIGNMENT = 16
 
 _DLPACK_CPU = 1
 
@@ -148,7 +152,8 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     if ndarray is None or type(x) is not ndarray or type(t) is not ndarray or x.ndim != 3 or t.ndim != 3:
         return None
     (b, nv, d), nt = x.shape, t.shape[1]
-    if 0 in (b, nv, nt, d) or d % num_heads or max(b * nv * d, b * nt * 2 * d, b * num_heads * nv * nt) >= INDEX_LIMIT:
+    if (0 in (b, nv, nt, d) or d % num_heads or b > MAX_BATCH
+            or max(b * nv * d, b * nt * 2 * d, d * d, b * num_heads * nv * nt) >= INDEX_LIMIT):
         return None
     vec, mat, video, text = (d,), (d, d), (b, nv, d), (b, nt, d)
     shapes = (video, video, text, mat, vec, mat, vec, mat, vec, mat, vec)
@@ -167,6 +172,8 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
                 or not a._c_contiguous or a.data.device_id != device):
             return None
         start = a.data.ptr
+        if i < len(inputs) and start % INPUT_ALIGNMENT:  # the kernels read inputs 16 bytes at a time
+            return None
         addresses.append(start)
         intervals.append((start, start + a.nbytes, i >= len(inputs)))
     # Outputs may overlap nothing; inputs may overlap each other (the same array passed twice).
@@ -263,6 +270,9 @@ def validate(arrays, *, scale, num_heads, precision, backend, out):
                  "B*num_heads*Nv*Nt (attention scores)": B * num_heads * Nv * Nt}
         problems += [f"{what} = {size} elements overflows 32-bit indexing (limit {INDEX_LIMIT - 1})"
                      for what, size in sizes.items() if size >= INDEX_LIMIT]
+
+        if backend == "cupy" and B > MAX_BATCH:
+            problems.append(f"batch size B={B} exceeds {MAX_BATCH}, the GPU backend's limit (a grid dimension)")
 
     devices = {name: _device_id(a) for name, a in everything.items() if _device_id(a) is not None}
     if len(set(devices.values())) > 1:

@@ -1,10 +1,11 @@
 """Plans: the backward of one shape, captured once into a CUDA graph and replayed per call.
 
-On a slow host a CuPy call costs 10–40 µs and the backward is 20–40 launches, so issuing them
-one by one costs more than the GPU work on most shapes. A plan records the launches once
-(``backward.Backward``), runs them directly on its first call, captures them into a CUDA graph,
-and from then on costs one small host-to-device copy (the pointer table with the new arrays'
-addresses) and one graph launch per call. Inputs are not copied anywhere.
+On a slow host a CuPy call costs 10–40 µs and the backward is 11 steps (fp16: 19) of one or more
+launches, so issuing them one by one costs more than the GPU work on small shapes. A plan
+records the steps once (``backward.Backward``), runs them directly on its first call, captures
+them into a CUDA graph, and from then on costs one small host-to-device copy (the pointer table
+with the new arrays' addresses) and one graph launch per call. The caller's arrays are read
+where they are: no staging copies (the fp16 mode's scaled fp16 operands are its own work).
 
 ``cross_attention_backward`` keeps a small LRU cache of plans, keyed by shape, precision,
 device and stream, so plain callers get the same replay.
@@ -25,6 +26,8 @@ from .grads import INPUT_NAMES, CrossAttentionGrads
 
 #: plans kept by ``cross_attention_backward`` (each holds its intermediates on the GPU).
 CACHE_SIZE = 8
+#: scales one plan keeps a recording and graph for (the scale is baked into the attention launch).
+SCALES_PER_PLAN = 2
 _UNCAPTURED = "uncaptured"  # the graph slot of a plan that cuBLAS would not let us capture
 
 
@@ -61,7 +64,7 @@ class Plan:
         self.output_shapes = self.input_shapes[1:]
         self._sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
-        self._programs = {}   # scale -> (Backward, graph)
+        self._programs = {}   # scale -> (Backward, graph), least recently used first
         self._lock = threading.Lock()
         self._last_stream = None  # (stream pointer, event after the last launch) when no stream is fixed
         self._problem(1.0 / math.sqrt(self.head_dim))  # fail now on an unsupported head_dim
@@ -74,9 +77,11 @@ class Plan:
         return problem
 
     def matches(self, problem, precision):
+        """Whether this plan computes ``problem`` at ``precision`` on the current GPU."""
         return (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size,
-                problem.num_heads, precision) == (self.batch_size, self.num_video_tokens, self.num_text_tokens,
-                                                  self.hidden_size, self.num_heads, self.precision)
+                problem.num_heads, precision, import_cupy().cuda.runtime.getDevice()) == (
+            self.batch_size, self.num_video_tokens, self.num_text_tokens, self.hidden_size, self.num_heads,
+            self.precision, self.device)
 
     def __call__(self, grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
                  key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *,
@@ -109,24 +114,31 @@ class Plan:
         if addresses is None:
             addresses = [a.data.ptr for a in (*inputs, *out)]
         addresses = numpy.array(addresses, numpy.uint64)
-        stream = self.stream or cupy.cuda.get_current_stream()
+        current = cupy.cuda.get_current_stream()
+        stream = self.stream or current
         with self._lock, _on_device(cupy, self.device):
+            if stream.ptr != current.ptr:  # a plan with its own stream: after the caller's work, and before it
+                stream.wait_event(current.record())
             if self._last_stream is not None and self._last_stream[0] != stream.ptr:
                 # The pointer table is rewritten below: let the last replay (another stream) finish reading it.
                 stream.wait_event(self._last_stream[1])
-            program, graph = self._programs.get(scale) or (None, None)
+            program, graph = self._programs.pop(scale, (None, None))
             if program is None:
                 program = Backward(self._problem(scale), self.precision, self._capture_stream, self._sm_count)
             program.bind(addresses, stream)
             if graph is None:
                 graph = self._first_run(program, stream)
-                self._programs[scale] = (program, graph)
             elif graph is _UNCAPTURED:
                 self._run_direct(program, stream)
             else:
                 graph.launch(stream)
+            self._programs[scale] = (program, graph)  # most recent last
+            while len(self._programs) > SCALES_PER_PLAN:
+                self._programs.pop(next(iter(self._programs)))
             if self.stream is None:
                 self._last_stream = (stream.ptr, stream.record())
+            if stream.ptr != current.ptr:
+                current.wait_event(stream.record())
         return out
 
     def _run_direct(self, program, stream):

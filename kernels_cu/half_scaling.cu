@@ -35,13 +35,14 @@ half_absmax(const float4* const* __restrict__ sources, const long long* __restri
     const float4* x = sources[i];
     const long long n4 = group_n4(meta, i);
     float m = 0.f;
+    bool nan = false;  // fmaxf drops NaN operands, so NaN is tracked on the side
     for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
          j += (long long)gridDim.x * HALF_THREADS) {
         const float4 v = x[j];
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        if (v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w) m = __int_as_float(0x7fc00000);
+        nan |= v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
     }
-    unsigned bits = __float_as_uint(m);
+    unsigned bits = nan ? 0x7fc00000u : __float_as_uint(m);
     for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
     __shared__ unsigned warp_max[HALF_THREADS / 32];
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;

@@ -162,6 +162,15 @@ def test_sizes_that_overflow_32_bit_indexing(sizes, what):
     assert INDEX_LIMIT == 2**31
 
 
+def test_gpu_batch_beyond_the_grid_limit():
+    dims = {"B": 65536, "Nv": 1, "Nt": 1, "D": 64}
+    fakes = {name: FakeGpuArray([dims[s] for s in symbols], ptr=(i + 1) << 44)
+             for i, (name, symbols) in enumerate(INPUT_SHAPES.items())}
+    with pytest.raises(ValueError, match="batch size B=65536 exceeds 65535"):
+        _validate(fakes, backend="cupy", num_heads=1)
+    assert _validate(fakes, backend="numpy", num_heads=1).batch_size == 65536  # the reference has no such limit
+
+
 def test_out_may_not_alias_inputs_or_each_other(arrays):
     out = list(_outputs(arrays))
     out[0] = arrays["video_latents"]

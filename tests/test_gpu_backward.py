@@ -145,3 +145,18 @@ def test_numpy_and_non_contiguous_inputs_give_the_same_results():
     for name, e, n, s in zip(CrossAttentionGrads._fields, expected, from_numpy, from_strided):
         assert numpy.array_equal(cupy.asnumpy(e), n), name
         assert bool((e == s).all()), name
+
+
+def test_inputs_off_a_16_byte_boundary_are_read_correctly():
+    # The kernels load inputs as float4: an array starting 4 bytes into a buffer is copied first.
+    cupy = _cupy()
+    case = cases.Case(1, 70, 20, atol=0.0)
+    inputs, ref = _case_data(case, 12)
+    shifted = {}
+    for name, a in inputs.items():
+        buffer = cupy.empty(a.size + 1, numpy.float32)
+        shifted[name] = buffer[1:].reshape(a.shape)
+        shifted[name][...] = cupy.asarray(a)
+    assert shifted["query_bias"].data.ptr % 16
+    errors = _relative_errors(cross_attention_backward(**shifted, precision="fp16"), ref)
+    assert max(errors.values()) <= EDGE_TOLERANCE["fp16"], errors

@@ -17,6 +17,12 @@ def test_every_kernel_compiles(filename, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
+def test_fp32_mode_attention_kernel_compiles():
+    # The 3xTF32 variant (ATTN_SPLIT3) is a different program: compile it too, for both targets.
+    for arch in ("sm_80", "sm_90"):
+        assert kernels.compile_cubin("attention_bwd.cu", arch, {"ATTN_SPLIT3": 1})[:4] == b"\x7fELF"
+
+
 @pytest.fixture
 def probe_dir(tmp_path, monkeypatch):
     (tmp_path / "probe.cuh").write_text('#include "probe_inner.cuh"\n#define PROBE_SCALE 2.0f\n')
