@@ -10,13 +10,13 @@ import ctypes
 import threading
 
 from ._cupy import import_cupy
+from .gemm import GEMM_DEFAULT
 
 _lib = None
 _lock = threading.Lock()
 
 _c_int, _c_void_p, _c_size_t = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
 POINTER_MODE_DEVICE = 1
-GEMM_DEFAULT = -1
 
 
 class CublasError(RuntimeError):

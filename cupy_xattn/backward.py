@@ -23,7 +23,7 @@ CUDA graph and replayed with new arrays every call (see ``plans.py``).
 import numpy
 
 from . import _cublas
-from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, R_16F as _R_16F, R_32F as _R_32F
+from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
 from .attention_bwd import AttentionBackward
 from .grads import INPUT_NAMES, CrossAttentionGrads
@@ -31,7 +31,6 @@ from .half_scaling import HalfScaler
 
 OUTPUT_NAMES = CrossAttentionGrads._fields
 
-_OP_N, _OP_T = 0, 1
 _H2D = 1
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
@@ -130,7 +129,7 @@ class Backward:
         batch = len(c)
         table, handle = self._table, self._cublas
         self._steps.append((f"gemm {m}x{n}x{k}" + (f" x{batch}" if batch > 1 else ""), lambda: handle.gemm_batched(
-            _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k, alpha,
+            OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
             table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
             beta, table.address(slot_c), _R_32F, ldc, batch, compute)))
 

@@ -16,8 +16,8 @@ COMPUTE_32F = 68              # IEEE fp32 FFMA
 COMPUTE_32F_FAST_TF32 = 77    # TF32 tensor cores, fp32 accumulation
 R_32F = 0
 R_16F = 2
-_GEMM_DEFAULT = -1
-_OP_N, _OP_T = 0, 1
+GEMM_DEFAULT = -1            # cublasGemmAlgo_t: cuBLAS's heuristic
+OP_N, OP_T = 0, 1            # cublasOperation_t
 
 #: compute type for the projection GEMMs of each precision mode (fp16 data uses COMPUTE_32F:
 #: the operand type, not the compute type, selects the fp16 tensor-core kernels).
@@ -59,12 +59,12 @@ def matmul(a, b, c, *, trans_a=False, trans_b=False, compute=COMPUTE_32F_FAST_TF
     beta = _ONE if accumulate else _ZERO
     handle = cupy.cuda.device.get_cublas_handle()
     # gemmEx sets the handle's stream to CuPy's current stream itself.
-    cublas.gemmEx(handle, _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N,
+    cublas.gemmEx(handle, OP_T if trans_b else OP_N, OP_T if trans_a else OP_N,
                   n, m, k, alpha.ctypes.data,
                   b.data.ptr, _DATA_TYPE[b.dtype], ldb,
                   a.data.ptr, _DATA_TYPE[a.dtype], lda,
                   beta.ctypes.data, c.data.ptr, _DATA_TYPE[c.dtype], ldc,
-                  compute, _GEMM_DEFAULT)
+                  compute, GEMM_DEFAULT)
     return c
 
 
@@ -90,9 +90,9 @@ def matmul_batched(a, b, c, *, trans_a=False, trans_b=False, compute=COMPUTE_32F
     handle = cupy.cuda.device.get_cublas_handle()
     stride = lambda x: 0 if x.shape[0] == 1 else x.shape[1] * x.shape[2]  # noqa: E731
     cublas.gemmStridedBatchedEx(
-        handle, _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k, alpha.ctypes.data,
+        handle, OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha.ctypes.data,
         b.data.ptr, _DATA_TYPE[b.dtype], b.shape[2], stride(b),
         a.data.ptr, _DATA_TYPE[a.dtype], a.shape[2], stride(a),
         _ZERO.ctypes.data, c.data.ptr, _DATA_TYPE[c.dtype], n, stride(c),
-        batch, compute, _GEMM_DEFAULT)
+        batch, compute, GEMM_DEFAULT)
     return c
