@@ -124,7 +124,11 @@ class Plan:
                 stream.wait_event(self._last_stream[1])
             program, graph = self._programs.pop(scale, (None, None))
             if program is None:
-                program = Backward(self._problem(scale), self.precision, self._capture_stream, self._sm_count)
+                # Allocated on the stream that runs it: CuPy's pool reuses a freed block only in the
+                # order of that stream, so an evicted recording cannot be overwritten mid-replay.
+                with stream:
+                    program = Backward(self._problem(scale), self.precision, self._capture_stream,
+                                       self._sm_count)
             program.bind(addresses, stream)
             if graph is None:
                 graph = self._first_run(program, stream)
