@@ -155,36 +155,46 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     if (0 in (b, nv, nt, d) or d % num_heads or b > MAX_BATCH
             or max(b * nv * d, b * nt * 2 * d, d * d, b * num_heads * nv * nt) >= INDEX_LIMIT):
         return None
-    vec, mat, video, text = (d,), (d, d), (b, nv, d), (b, nt, d)
-    shapes = (video, video, text, mat, vec, mat, vec, mat, vec, mat, vec)
-    buffers = tuple(inputs) if out is None else tuple(inputs) + tuple(out)
-    if out is not None:
-        if len(out) != len(CrossAttentionGrads._fields):
-            return None
-        shapes += shapes[1:]
     device = x.data.device_id
     if device != cupy.cuda.runtime.getDevice():  # the plan cache is per current device
         return None
-    intervals, addresses = [], []
-    for i, (a, shape) in enumerate(zip(buffers, shapes)):
-        # _c_contiguous: CuPy's flag itself (``flags`` builds an object per access).
-        if (type(a) is not ndarray or a.shape != shape or a.dtype is not _FLOAT32
-                or not a._c_contiguous or a.data.device_id != device):
+    vec, mat, video, text = (d,), (d, d), (b, nv, d), (b, nt, d)
+    shapes = (video, video, text, mat, vec, mat, vec, mat, vec, mat, vec)
+
+    def spans(arrays, shapes, alignment):
+        """[(start, end)] of each array, or None if one is not of the common kind."""
+        found = []
+        for a, shape in zip(arrays, shapes):
+            # _c_contiguous: CuPy's flag itself (``flags`` builds an object per access).
+            if type(a) is not ndarray or a.dtype is not _FLOAT32 or not a._c_contiguous or a.shape != shape:
+                return None
+            data = a.data
+            start = data.ptr
+            if data.device_id != device or start % alignment:
+                return None
+            found.append((start, start + a.nbytes))
+        return found
+
+    # The kernels read inputs 16 bytes at a time; cuBLAS writes the outputs, any float32 alignment.
+    inputs_found = spans(inputs, shapes, INPUT_ALIGNMENT)
+    if inputs_found is None:
+        return None
+    addresses = [start for start, _ in inputs_found]
+    if out is not None:
+        outputs_found = spans(out, shapes[1:], 1) if len(out) == len(CrossAttentionGrads._fields) else None
+        if outputs_found is None:
             return None
-        start = a.data.ptr
-        if i < len(inputs) and start % INPUT_ALIGNMENT:  # the kernels read inputs 16 bytes at a time
-            return None
-        addresses.append(start)
-        intervals.append((start, start + a.nbytes, i >= len(inputs)))
-    # Outputs may overlap nothing; inputs may overlap each other (the same array passed twice).
-    intervals.sort()
-    end_all = end_out = 0
-    for start, end, is_out in intervals:
-        if start < (end_all if is_out else end_out):
-            return None
-        end_all = max(end_all, end)
-        if is_out:
-            end_out = max(end_out, end)
+        addresses += [start for start, _ in outputs_found]
+        # Outputs may overlap nothing; inputs may overlap each other (the same array twice).
+        end_all = end_out = 0
+        for start, end, is_out in sorted([(s, e, False) for s, e in inputs_found]
+                                         + [(s, e, True) for s, e in outputs_found]):
+            if start < (end_all if is_out else end_out):
+                return None
+            if end > end_all:
+                end_all = end
+            if is_out and end > end_out:
+                end_out = end
     head_dim = d // num_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     return Problem(b, nv, nt, d, num_heads, head_dim, scale), addresses
