@@ -4,7 +4,7 @@ import sys
 
 import numpy
 
-from . import checks
+from . import checks, plans
 from ._cupy import import_cupy, require_gpu, to_numpy
 from .grads import INPUT_NAMES, CrossAttentionGrads
 
@@ -81,7 +81,7 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
                                        backend=backend, out=out)
         if problem is not None and (plan is None or plan.matches(problem[0], precision)):
             problem, addresses = problem
-            plan = plan if plan is not None else _plans().cached(problem, precision)
+            plan = plan if plan is not None else plans.cached(problem, precision)
             return plan.launch(inputs, problem.scale, None if out is None else CrossAttentionGrads(*out), addresses)
     arrays = checks.as_arrays(dict(zip(INPUT_NAMES, inputs)))
     out = checks.as_out(out)
@@ -108,15 +108,10 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
         return CrossAttentionGrads(*map(import_cupy().asarray, results))
 
 
-def _plans():
-    from . import plans
-    return plans
-
-
 def _run_on_gpu(problem, arrays, precision, out, plan):
     cupy = require_gpu()
     if plan is None:
-        plan = _plans().cached(problem, precision)
+        plan = plans.cached(problem, precision)
     elif not plan.matches(problem, precision):
         raise ValueError(f"this plan is for B={plan.batch_size}, Nv={plan.num_video_tokens}, "
                          f"Nt={plan.num_text_tokens}, D={plan.hidden_size}, H={plan.num_heads}, "

@@ -41,8 +41,8 @@ _N_SLOTS = 9
 class PointerTable:
     """Device array of addresses, rewritten before each run.
 
-    An entry is either a caller array, ``(name, byte_offset)``, or a fixed address (int) of a
-    buffer the backward owns. Consecutive entries form the pointer arrays of batched GEMMs.
+    An entry is either a caller array, by name (str), or a fixed address (int) of a buffer the
+    backward owns. Consecutive entries form the pointer arrays of batched GEMMs.
     The device array is allocated up front, so entries have device addresses while recording.
     """
 
@@ -62,11 +62,10 @@ class PointerTable:
 
     def finalize(self):
         names = {name: i for i, name in enumerate(INPUT_NAMES + OUTPUT_NAMES)}
-        caller = [i for i, e in enumerate(self._entries) if isinstance(e, tuple)]
-        self._host = numpy.array([0 if isinstance(e, tuple) else e for e in self._entries], numpy.uint64)
+        caller = [i for i, e in enumerate(self._entries) if isinstance(e, str)]
+        self._host = numpy.array([0 if isinstance(e, str) else e for e in self._entries], numpy.uint64)
         self._caller_index = numpy.array(caller, numpy.intp)
-        self._caller_name = numpy.array([names[self._entries[i][0]] for i in caller], numpy.intp)
-        self._caller_offset = numpy.array([self._entries[i][1] for i in caller], numpy.uint64)
+        self._caller_name = numpy.array([names[self._entries[i]] for i in caller], numpy.intp)
 
     def address(self, index):
         return self.device.data.ptr + 8 * index
@@ -77,7 +76,7 @@ class PointerTable:
         The copy is from pageable memory, which CUDA stages before returning: the host array
         can change right away, and the copy is ordered on ``stream`` before the run.
         """
-        self._host[self._caller_index] = addresses[self._caller_name] + self._caller_offset
+        self._host[self._caller_index] = addresses[self._caller_name]
         import_cupy().cuda.runtime.memcpyAsync(self.device.data.ptr, self._host.ctypes.data,
                                                self._host.nbytes, _H2D, stream.ptr)
 
@@ -147,11 +146,10 @@ class Backward:
         mv, mt = b * nv, b * nt
         addr = lambda array, offset=0: array.data.ptr + offset  # noqa: E731
         dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
-        g = {name: (name, 0) for name in OUTPUT_NAMES}
 
         if self._scaler is None:
-            X, T, DY = ("video_latents", 0), ("text_embeddings", 0), ("grad_output", 0)
-            WQ, WK, WV, WO = ("query_weight", 0), ("key_weight", 0), ("value_weight", 0), ("output_weight", 0)
+            X, T, DY = "video_latents", "text_embeddings", "grad_output"
+            WQ, WK, WV, WO = "query_weight", "key_weight", "value_weight", "output_weight"
             O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
             dtype = _R_32F
             alpha = lambda i, j: None  # noqa: E731
@@ -162,10 +160,10 @@ class Backward:
             o_h, dq_h, dkv_h = h16(mv, d), h16(mv, d), h16(mt, 2 * d)
             self._halves = (x_h, t_h, wq_h, wkv_h, wo_h, dy_h, o_h, dq_h, dkv_h)  # keep alive
             # (source entry, element count, fp16 destination, scale slot)
-            stage_a = [(("video_latents", 0), mv * d, x_h, _X), (("text_embeddings", 0), mt * d, t_h, _T),
-                       (("query_weight", 0), d * d, wq_h, _WQ), (("key_weight", 0), d * d, wkv_h[:d], _WKV),
-                       (("value_weight", 0), d * d, wkv_h[d:], _WKV), (("output_weight", 0), d * d, wo_h, _WO),
-                       (("grad_output", 0), mv * d, dy_h, _DY)]
+            stage_a = [("video_latents", mv * d, x_h, _X), ("text_embeddings", mt * d, t_h, _T),
+                       ("query_weight", d * d, wq_h, _WQ), ("key_weight", d * d, wkv_h[:d], _WKV),
+                       ("value_weight", d * d, wkv_h[d:], _WKV), ("output_weight", d * d, wo_h, _WO),
+                       ("grad_output", mv * d, dy_h, _DY)]
             stage_b = [(addr(self._o), mv * d, o_h, _O), (addr(self._dq), mv * d, dq_h, _DQ),
                        (addr(self._dkv), mt * 2 * d, dkv_h, _DKV)]
             stream = self.stream
@@ -188,32 +186,32 @@ class Backward:
 
         # Steps close over what they use, not over self: an evicted plan is freed at once
         # (no reference cycle waiting for the garbage collector).
-        biases = self._table.address(self._table.add(("query_bias", 0), ("key_bias", 0), ("value_bias", 0)))
+        biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
         attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv)
         self._steps.append(("attention", lambda: attention(*buffers)))
         if self._scaler is not None:
             self._record_conversions(stage_b)
 
-        gemm([DQ], [WQ], [g["grad_video_latents"]], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
+        gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DQ, _WQ))
         # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs when they
         # share alpha (fp32, tf32); the fp16 mode's scales differ, so two calls there.
-        self._gemm_group([(DY, O, g["grad_output_weight"], alpha(_DY, _O)),
-                          (DQ, X, g["grad_query_weight"], alpha(_DQ, _X))],
+        self._gemm_group([(DY, O, "grad_output_weight", alpha(_DY, _O)),
+                          (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
-        gemm([DK], [WK], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
+        gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DKV, _WKV))
-        gemm([DV], [WV], [g["grad_text_embeddings"]], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
+        gemm([DV], [WV], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DKV, _WKV), accumulate=True)
-        gemm([DK, DV], [T, T], [g["grad_key_weight"], g["grad_value_weight"]], m=d, n=d, k=mt,
+        gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
              lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T))
 
         # Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix.
         ones = addr(self._ones)
         fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F)
-        gemm([ones, ones], [("grad_output", 0), addr(self._dq)], [g["grad_output_bias"], g["grad_query_bias"]],
+        gemm([ones, ones], ["grad_output", addr(self._dq)], ["grad_output_bias", "grad_query_bias"],
              m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
-        gemm([ones, ones], [dk, dv], [g["grad_key_bias"], g["grad_value_bias"]], m=1, n=d, k=mt,
+        gemm([ones, ones], [dk, dv], ["grad_key_bias", "grad_value_bias"], m=1, n=d, k=mt,
              lda=mt, ldb=2 * d, ldc=d, **fp32)
 
     def _record_conversions(self, tensors):

@@ -43,6 +43,8 @@ import time
 
 import numpy
 
+from . import gemm
+
 __all__ = [
     "IMPL", "TORCH_IMPLS", "NAIVE_IMPL", "REFERENCE_IMPL", "ROW_FIELDS",
     "META_FIELDS", "run_sweep", "format_rows", "summarize", "suite_means",
@@ -73,16 +75,6 @@ META_FIELDS = (
     "device", "driver_version", "cuda_runtime_version", "cupy_version",
     "numpy_version", "torch_version", "git_commit", "date_utc", "hostname",
 )
-
-# cuBLAS / CUDA enums (cublas_api.h, library_types.h)
-_CUDA_R_32F = 0
-_CUDA_R_16F = 2
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_COMPUTE_32F_FAST_TF32 = 77
-_CUBLAS_GEMM_DEFAULT = -1
-_CUBLAS_OP_N = 0
-_CUBLAS_POINTER_MODE_HOST = 0
-
 
 # --------------------------------------------------------------------------
 # statistics and derived numbers (pure Python, tested on CPU)
@@ -365,34 +357,19 @@ def _all_finite_cupy(cupy, arrays):
 # --------------------------------------------------------------------------
 # ceilings
 
-def _gemm_ceiling(cupy, cublas, *, n, dtype, compute_type, reps=10, warmup=3):
-    """Square n x n x n GEMM through cublasGemmEx; returns TFLOP/s and time."""
+def _gemm_ceiling(cupy, *, n, dtype, compute_type, reps=10, warmup=3):
+    """Square n x n x n GEMM through cublasGemmEx (``gemm.matmul``); returns TFLOP/s and time."""
     a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
     b = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
     c = cupy.empty((n, n), dtype=dtype)
-    cuda_type = _CUDA_R_16F if dtype == cupy.float16 else _CUDA_R_32F
-    alpha = numpy.array(1.0, dtype=numpy.float32)   # compute types 68/77: fp32 scalars
-    beta = numpy.array(0.0, dtype=numpy.float32)
-    handle = cupy.cuda.device.get_cublas_handle()
-    old_mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
-    try:
-        def call(_):
-            # gemmEx binds the handle to the current stream itself (CuPy 14)
-            cublas.gemmEx(handle, _CUBLAS_OP_N, _CUBLAS_OP_N, n, n, n,
-                          alpha.ctypes.data, a.data.ptr, cuda_type, n,
-                          b.data.ptr, cuda_type, n, beta.ctypes.data,
-                          c.data.ptr, cuda_type, n, compute_type,
-                          _CUBLAS_GEMM_DEFAULT)
-        stream = cupy.cuda.get_current_stream()
-        gpu_us, _ = _event_timing(
-            call, n=1, warmup=warmup, reps=reps, flush=lambda: None,
-            new_event=lambda: cupy.cuda.Event(),
-            record=lambda ev: ev.record(stream),
-            elapsed_ms=cupy.cuda.get_elapsed_time,
-            synchronize=stream.synchronize)
-    finally:
-        cublas.setPointerMode(handle, old_mode)
+    stream = cupy.cuda.get_current_stream()
+    gpu_us, _ = _event_timing(
+        lambda _: gemm.matmul(a, b, c, compute=compute_type),
+        n=1, warmup=warmup, reps=reps, flush=lambda: None,
+        new_event=lambda: cupy.cuda.Event(),
+        record=lambda ev: ev.record(stream),
+        elapsed_ms=cupy.cuda.get_elapsed_time,
+        synchronize=stream.synchronize)
     med = summarize(gpu_us)["median_us"]
     # GEMM FLOP = 2·m·n·k
     return {"tflops": _tflops(2.0 * n * n * n, med), "median_us": med,
@@ -428,23 +405,15 @@ def measure_ceilings(cupy=None):
     if cupy is None:
         cupy = _require_gpu()
     result = {}
-    try:
-        from cupy_backends.cuda.libs import cublas
-    except Exception as exc:
-        cublas = None
-        for key in ("fp32", "tf32", "fp16"):
+    plan = (("fp32", 4096, cupy.float32, gemm.COMPUTE_32F),
+            ("tf32", 8192, cupy.float32, gemm.COMPUTE_32F_FAST_TF32),
+            ("fp16", 8192, cupy.float16, gemm.COMPUTE_32F))
+    for key, n, dtype, compute in plan:
+        try:
+            result[key] = _gemm_ceiling(cupy, n=n, dtype=dtype, compute_type=compute)
+        except Exception as exc:
             result[key] = {"tflops": None, "error": f"{type(exc).__name__}: {exc}"}
-    if cublas is not None:
-        plan = (("fp32", 4096, cupy.float32, _CUBLAS_COMPUTE_32F),
-                ("tf32", 8192, cupy.float32, _CUBLAS_COMPUTE_32F_FAST_TF32),
-                ("fp16", 8192, cupy.float16, _CUBLAS_COMPUTE_32F))
-        for key, n, dtype, compute in plan:
-            try:
-                result[key] = _gemm_ceiling(cupy, cublas, n=n, dtype=dtype,
-                                            compute_type=compute)
-            except Exception as exc:
-                result[key] = {"tflops": None, "error": f"{type(exc).__name__}: {exc}"}
-            cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_memory_pool().free_all_blocks()
     try:
         result["copy"] = _copy_ceiling(cupy)
     except Exception as exc:

@@ -104,15 +104,15 @@ class Plan:
     def launch(self, inputs, scale, out=None, addresses=None):
         """Run on validated C-contiguous float32 CuPy ``inputs``; fills ``out`` or fresh arrays.
 
-        ``addresses``: the inputs' (and, with ``out``, the outputs') data pointers, if the
-        caller has them already.
+        ``addresses``: the inputs' data pointers (then the outputs', with ``out``), if the caller
+        has them already.
         """
         cupy = import_cupy()
+        if addresses is None:
+            addresses = [a.data.ptr for a in inputs] + ([] if out is None else [o.data.ptr for o in out])
         if out is None:
             out = self._allocate(cupy)
-            addresses = None
-        if addresses is None:
-            addresses = [a.data.ptr for a in (*inputs, *out)]
+            addresses = addresses + [o.data.ptr for o in out]
         addresses = numpy.array(addresses, numpy.uint64)
         current = cupy.cuda.get_current_stream()
         stream = self.stream or current
