@@ -362,14 +362,8 @@ def _gemm_ceiling(cupy, *, n, dtype, compute_type, reps=10, warmup=3):
     a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
     b = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(dtype)
     c = cupy.empty((n, n), dtype=dtype)
-    stream = cupy.cuda.get_current_stream()
-    gpu_us, _ = _event_timing(
-        lambda _: gemm.matmul(a, b, c, compute=compute_type),
-        n=1, warmup=warmup, reps=reps, flush=lambda: None,
-        new_event=lambda: cupy.cuda.Event(),
-        record=lambda ev: ev.record(stream),
-        elapsed_ms=cupy.cuda.get_elapsed_time,
-        synchronize=stream.synchronize)
+    gpu_us, _ = _cupy_timing(cupy, lambda: None, lambda _: gemm.matmul(a, b, c, compute=compute_type),
+                             n=1, warmup=warmup, reps=reps)
     med = summarize(gpu_us)["median_us"]
     # GEMM FLOP = 2·m·n·k
     return {"tflops": _tflops(2.0 * n * n * n, med), "median_us": med,
@@ -380,14 +374,8 @@ def _copy_ceiling(cupy, *, nbytes=1 << 30, reps=10, warmup=3):
     """Device-to-device copy; bandwidth counts bytes read + bytes written."""
     src = cupy.random.standard_normal(nbytes // 4, dtype=cupy.float32)
     dst = cupy.empty_like(src)
-    stream = cupy.cuda.get_current_stream()
-    gpu_us, _ = _event_timing(
-        lambda _: dst.data.copy_from_device_async(src.data, src.nbytes),
-        n=1, warmup=warmup, reps=reps, flush=lambda: None,
-        new_event=lambda: cupy.cuda.Event(),
-        record=lambda ev: ev.record(stream),
-        elapsed_ms=cupy.cuda.get_elapsed_time,
-        synchronize=stream.synchronize)
+    gpu_us, _ = _cupy_timing(cupy, lambda: None, lambda _: dst.data.copy_from_device_async(src.data, src.nbytes),
+                             n=1, warmup=warmup, reps=reps)
     med = summarize(gpu_us)["median_us"]
     return {"gbps": 2.0 * src.nbytes / (med * 1e-6) / 1e9, "median_us": med,
             "bytes": int(src.nbytes)}
