@@ -11,15 +11,32 @@ from ._cupy import import_cupy
 
 SOURCE = "attention_bwd.cu"
 BLOCK_Q = 64          # query rows per tile (4 warps of 16 rows)
-BLOCK_KV = 32         # keys per streamed tile
+BLOCK_KV = 32         # keys per streamed tile (attn_bwd)
 HEAD_DIM = 64
+#: up to this many text tokens, attn_bwd_resident keeps all keys and values in shared memory
+#: and takes one pass per query tile; longer texts are streamed by attn_bwd in two passes.
+RESIDENT_MAX_KEYS = 80
 _THREADS = BLOCK_Q // 16 * 32
-# Shared memory: Q and dO tiles, K and V tiles (rows padded by 8 floats), and the P/dS tile.
-_SMEM_BYTES = 4 * (2 * BLOCK_Q * (HEAD_DIM + 8) + 2 * BLOCK_KV * (HEAD_DIM + 8) + BLOCK_Q * (BLOCK_KV + 8))
-# Aim for this many blocks per SM when splitting the query rows of a (batch, head) pair:
-# three blocks fit by shared memory, and each extra chunk costs a dK/dV partial to reduce.
-_BLOCKS_PER_SM = 3
 _REDUCE_THREADS = 256
+
+
+def _padded(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def kernel_choice(num_text_tokens):
+    """(kernel name, ATTN_KEYS, shared-memory bytes, blocks per SM that fit) for this text length.
+
+    Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
+    the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
+    (batch, head) pair: each extra chunk costs a dK/dV partial to reduce.
+    """
+    if num_text_tokens <= RESIDENT_MAX_KEYS:
+        keys = _padded(num_text_tokens, 16)
+        smem = 4 * (2 * keys * (HEAD_DIM + 8) + 2 * BLOCK_Q * (HEAD_DIM + 8) + BLOCK_Q * (_padded(keys, 32) + 8))
+        return "attn_bwd_resident", keys, smem, 2
+    smem = 4 * (2 * BLOCK_Q * (HEAD_DIM + 8) + 2 * BLOCK_KV * (HEAD_DIM + 8) + BLOCK_Q * (BLOCK_KV + 8))
+    return "attn_bwd", 0, smem, 3
 
 
 def check_head_dim(problem):
@@ -28,13 +45,13 @@ def check_head_dim(problem):
                          f"{problem.hidden_size} / {problem.num_heads} heads = head_dim {problem.head_dim}")
 
 
-def chunking(batch_size, num_heads, num_video_tokens, sm_count):
+def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm):
     """Split each (batch, head)'s query tiles into chunks so the grid fills the GPU.
 
     Returns ``(n_chunks, tiles_per_chunk)``; every chunk owns at least one tile.
     """
     n_q_tiles = -(-num_video_tokens // BLOCK_Q)
-    want = -(-_BLOCKS_PER_SM * sm_count // (batch_size * num_heads))
+    want = -(-blocks_per_sm * sm_count // (batch_size * num_heads))
     n_chunks = max(1, min(n_q_tiles, want))
     tiles_per_chunk = -(-n_q_tiles // n_chunks)
     return -(-n_q_tiles // tiles_per_chunk), tiles_per_chunk
@@ -54,15 +71,16 @@ class AttentionBackward:
         cupy = import_cupy()
         check_head_dim(problem)
         self.problem = problem
+        name, keys, self._smem_bytes, blocks_per_sm = kernel_choice(problem.num_text_tokens)
         self.n_chunks, self.tiles_per_chunk = chunking(problem.batch_size, problem.num_heads,
-                                                       problem.num_video_tokens, sm_count)
+                                                       problem.num_video_tokens, sm_count, blocks_per_sm)
         defines = {"ATTN_BLOCK_Q": BLOCK_Q, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
-                   "ATTN_SPLIT3": int(precision == "fp32")}
-        self._main = kernels.get_kernel(SOURCE, "attn_bwd", defines)
-        if self._main.max_dynamic_shared_size_bytes < _SMEM_BYTES:
-            self._main.max_dynamic_shared_size_bytes = _SMEM_BYTES
-            # All of the unified L1/shared storage as shared memory: three 64 KB blocks per SM
-            # (the default split measured on the H200 left room for two).
+                   "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys}
+        self._main = kernels.get_kernel(SOURCE, name, defines)
+        if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
+            self._main.max_dynamic_shared_size_bytes = self._smem_bytes
+            # All of the unified L1/shared storage as shared memory: the default split measured
+            # on the H200 left room for fewer blocks than the shared memory allows.
             self._main.preferred_shared_memory_carveout = 100
         self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines)
         n_text_rows = problem.batch_size * problem.num_text_tokens
@@ -90,7 +108,7 @@ class AttentionBackward:
             (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
              numpy.int32(p.num_video_tokens), numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale)),
-            shared_mem=_SMEM_BYTES)
+            shared_mem=self._smem_bytes)
         if self._dkv_part is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),
                          (self._dkv_part, dkv, numpy.int64(dkv.size // 4), numpy.int32(self.n_chunks)))

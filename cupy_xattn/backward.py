@@ -64,6 +64,7 @@ class PointerTable:
         names = {name: i for i, name in enumerate(INPUT_NAMES + OUTPUT_NAMES)}
         caller = [i for i, e in enumerate(self._entries) if isinstance(e, str)]
         self._host = numpy.array([0 if isinstance(e, str) else e for e in self._entries], numpy.uint64)
+        self._host_ptr = self._host.ctypes.data  # once: ``ctypes`` builds an object per access
         self._caller_index = numpy.array(caller, numpy.intp)
         self._caller_name = numpy.array([names[self._entries[i]] for i in caller], numpy.intp)
 
@@ -77,8 +78,8 @@ class PointerTable:
         can change right away, and the copy is ordered on ``stream`` before the run.
         """
         self._host[self._caller_index] = addresses[self._caller_name]
-        import_cupy().cuda.runtime.memcpyAsync(self.device.data.ptr, self._host.ctypes.data,
-                                               self._host.nbytes, _H2D, stream.ptr)
+        import_cupy().cuda.runtime.memcpyAsync(self.device.data.ptr, self._host_ptr, self._host.nbytes, _H2D,
+                                               stream.ptr)
 
 
 class Backward:
@@ -166,8 +167,6 @@ class Backward:
                        ("grad_output", mv * d, dy_h, _DY)]
             stage_b = [(addr(self._o), mv * d, o_h, _O), (addr(self._dq), mv * d, dq_h, _DQ),
                        (addr(self._dkv), mt * 2 * d, dkv_h, _DKV)]
-            stream = self.stream
-            self._steps.append(("fp16 reset", lambda: s.reset(stream)))
             self._record_conversions(stage_a)
             X, T, WQ, WO, DY = addr(x_h), addr(t_h), addr(wq_h), addr(wo_h), addr(dy_h)
             WK, WV = addr(wkv_h), addr(wkv_h, 2 * d * d)
@@ -217,9 +216,9 @@ class Backward:
     def _record_conversions(self, tensors):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest, slot)]."""
         first = self._table.add(*(source for source, *_ in tensors))
-        absmax, convert = self._scaler.group(self._table.address(first),
-                                             [(size, dest, slot) for _, size, dest, slot in tensors])
-        self._steps += [(f"absmax x{len(tensors)}", absmax), (f"to fp16 x{len(tensors)}", convert),
+        copy, rescale = self._scaler.group(self._table.address(first),
+                                           [(size, dest, slot) for _, size, dest, slot in tensors])
+        self._steps += [(f"to fp16 x{len(tensors)}", copy), (f"fp16 rescale x{len(tensors)}", rescale),
                         ("fp16 alphas", self._scaler.update_alphas)]
 
     # -- running -----------------------------------------------------------------------------

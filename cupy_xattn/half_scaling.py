@@ -12,32 +12,29 @@ _THREADS = 256
 class HalfScaler:
     """Scaled fp16 copies of fp32 tensors, each tensor (or group of tensors) in a numbered slot.
 
-    Per run: :meth:`reset`; then, for each :meth:`group` of tensors, its ``absmax`` and
-    ``convert`` launches (``y = half(x · s_slot)``); then :meth:`update_alphas`. ``alpha(i, j)``
-    is the device address of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM
-    of slots i and j. Nothing is read back to the host, so a run can be captured into a graph.
+    Per run, for each :meth:`group` of tensors: its ``copy`` and ``rescale`` launches (together
+    ``y = half(x · s_slot)``), then :meth:`update_alphas`. ``alpha(i, j)`` is the device address
+    of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j. Nothing
+    is read back to the host, so a run can be captured into a graph.
     """
 
     def __init__(self, n_slots, sm_count):
         cupy = import_cupy()
         self.n_slots = n_slots
         self._max_blocks = 2 * sm_count
-        # One buffer: amax bits, inverse scales, then the n × n alphas.
+        # One buffer: amax bits (zero between groups: half_alphas clears them), inverse scales,
+        # then the n × n alphas.
         self._state = cupy.zeros(2 * n_slots + n_slots * n_slots, numpy.float32)
         self._amax_bits = self._state.data.ptr
         self._inv_scale = self._state.data.ptr + 4 * n_slots
         self._alpha = self._state.data.ptr + 8 * n_slots
-        self._absmax = kernels.get_kernel(SOURCE, "half_absmax")
-        self._convert = kernels.get_kernel(SOURCE, "half_convert")
+        self._copy = kernels.get_kernel(SOURCE, "half_copy_absmax")
+        self._rescale = kernels.get_kernel(SOURCE, "half_rescale")
         self._alphas = kernels.get_kernel(SOURCE, "half_alphas")
         self._groups = []  # keeps each group's metadata alive
 
-    def reset(self, stream):
-        """Zero the running maxima (first step of every run)."""
-        import_cupy().cuda.runtime.memsetAsync(self._amax_bits, 0, 4 * self.n_slots, stream.ptr)
-
     def group(self, sources_address, tensors):
-        """Launchers ``(absmax, convert)`` for several tensors at once.
+        """Launchers ``(copy, rescale)`` for several tensors at once.
 
         Parameters
         ----------
@@ -56,12 +53,13 @@ class HalfScaler:
         grid, block = (blocks, n), (_THREADS,)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))
         amax = numpy.uint64(self._amax_bits)
-        return (lambda: self._absmax(grid, block, args + (amax,)),
-                lambda: self._convert(grid, block, args + (amax, numpy.uint64(self._inv_scale))))
+        return (lambda: self._copy(grid, block, args + (amax,)),
+                lambda: self._rescale(grid, block, args + (amax, numpy.uint64(self._inv_scale))))
 
     def update_alphas(self):
         n = self.n_slots
-        self._alphas((1,), (n * n,), (numpy.uint64(self._inv_scale), numpy.uint64(self._alpha), numpy.int32(n)))
+        self._alphas((1,), (n * n,), (numpy.uint64(self._inv_scale), numpy.uint64(self._alpha), numpy.int32(n),
+                                      numpy.uint64(self._amax_bits)))
 
     def alpha(self, i, j):
         return self._alpha + 4 * (i * self.n_slots + j)

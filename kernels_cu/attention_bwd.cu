@@ -35,6 +35,10 @@
 #ifndef ATTN_SPLIT3
 #define ATTN_SPLIT3 0
 #endif
+// Keys kept resident by attn_bwd_resident (0: that kernel is not compiled).
+#ifndef ATTN_KEYS
+#define ATTN_KEYS 0
+#endif
 
 #define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
 // Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes both the [row g][col t]
@@ -161,52 +165,67 @@ __device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld,
     b[1] = m[(n0 + g) * ld + k0 + t + 4];
 }
 
-// Copy rows [row0, row0 + n_rows) of a head's 64 columns into shared memory, adding a bias
+// Copy rows [row0, row0 + ROWS) of a head's 64 columns into shared memory, adding a bias
 // (may be null); rows at or past n_valid become zeros so padded rows contribute nothing.
+// Every load of a thread is issued before the first store: one global-memory latency per
+// tile instead of one per row group (the stores to shared memory would otherwise wait).
 template <int ROWS>
-__device__ __forceinline__ void load_tile(float* dst, const float* src, long long ld_src,
-                                          int row0, int n_valid, const float* bias) {
-    constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4;
-    for (int i = threadIdx.x; i < ROWS * VEC_PER_ROW; i += ATTN_THREADS) {
-        const int r = i / VEC_PER_ROW, c = (i % VEC_PER_ROW) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (row0 + r < n_valid) {
-            v = *reinterpret_cast<const float4*>(src + (long long)(row0 + r) * ld_src + c);
-            if (bias) {
-                const float4 bv = *reinterpret_cast<const float4*>(bias + c);
-                v.x += bv.x; v.y += bv.y; v.z += bv.z; v.w += bv.w;
-            }
-            v = make_float4(to_operand(v.x), to_operand(v.y), to_operand(v.z), to_operand(v.w));
-        }
-        *reinterpret_cast<float4*>(dst + r * LD_HD + c) = v;
+__device__ __forceinline__ void load_tile(float* dst, const float* __restrict__ src, long long ld_src,
+                                          int row0, int n_valid, const float* __restrict__ bias) {
+    constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, N = ROWS * VEC_PER_ROW;
+    constexpr int PER_THREAD = (N + ATTN_THREADS - 1) / ATTN_THREADS;
+    static_assert(ATTN_THREADS % VEC_PER_ROW == 0, "a thread keeps its column across its rows");
+    const int c = (threadIdx.x % VEC_PER_ROW) * 4, r_first = threadIdx.x / VEC_PER_ROW;
+    constexpr int R_STEP = ATTN_THREADS / VEC_PER_ROW;
+    float4 v[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int r = r_first + j * R_STEP;
+        v[j] = (r < ROWS && row0 + r < n_valid)
+                   ? *reinterpret_cast<const float4*>(src + (long long)(row0 + r) * ld_src + c)
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const float4 b = bias ? *reinterpret_cast<const float4*>(bias + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int r = r_first + j * R_STEP;
+        if (r >= ROWS) break;
+        const bool valid = row0 + r < n_valid;
+        const float4 x = v[j];
+        *reinterpret_cast<float4*>(dst + r * LD_HD + c) =
+            valid ? make_float4(to_operand(x.x + b.x), to_operand(x.y + b.y), to_operand(x.z + b.z),
+                                to_operand(x.w + b.w))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
-// c = A B^T for this warp's 16 rows of A (a_s) and the ATTN_BLOCK_KV rows of B (b_s), both
+// c = A B^T for this warp's 16 rows of A (a_s) and the first NT·8 rows of B (b_s), both
 // row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T.
-__device__ __forceinline__ void rows_times_tile_t(float c[ATTN_BLOCK_KV / 8][4], const float* a_s,
-                                                  const float* b_s, int r0, int g, int t) {
-    float c_lo[ATTN_BLOCK_KV / 8][4];
-    zero<ATTN_BLOCK_KV / 8>(c);
-    zero<ATTN_BLOCK_KV / 8>(c_lo);
+template <int NT>
+__device__ __forceinline__ void rows_times_t(float c[NT][4], const float* a_s, const float* b_s, int r0, int g,
+                                             int t) {
+    float c_lo[NT][4];
+    zero<NT>(c);
+    zero<NT>(c_lo);
 #pragma unroll
     for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
         float a[4];
         load_a(a, a_s, LD_HD, r0, k, g, t);
 #pragma unroll
-        for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
+        for (int n = 0; n < NT; ++n) {
             float b[2];
             load_b_trans(b, b_s, LD_HD, k, n * 8, g, t);
             mma(c[n], c_lo[n], a, b);
         }
     }
-    fold<ATTN_BLOCK_KV / 8>(c, c_lo);
+    fold<NT>(c, c_lo);
 }
 
-// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ATTN_BLOCK_KV]) and B (v_s or
-// k_s: [ATTN_BLOCK_KV][head_dim]): O += P V and dQ += dS K.
-__device__ __forceinline__ void rows_times_tile_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s,
-                                                    const float* b_s, int r0, int g, int t) {
+// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and B (v_s or
+// k_s: [K][head_dim]): O += P V and dQ += dS K.
+template <int K>
+__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s, int ld_p,
+                                               const float* b_s, int r0, int g, int t) {
     constexpr int NT = ATTN_HEAD_DIM / 8;
     float lo[NT][4];
     zero<NT>(lo);
@@ -217,9 +236,9 @@ __device__ __forceinline__ void rows_times_tile_add(float (&acc)[ATTN_HEAD_DIM /
     float (&hi)[NT][4] = acc;  // TF32: accumulate in place
 #endif
 #pragma unroll
-    for (int k = 0; k < ATTN_BLOCK_KV; k += 8) {
+    for (int k = 0; k < K; k += 8) {
         float a[4];
-        load_a(a, p_s, LD_KV, r0, k, g, t);
+        load_a(a, p_s, ld_p, r0, k, g, t);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             float b[2];
@@ -230,12 +249,13 @@ __device__ __forceinline__ void rows_times_tile_add(float (&acc)[ATTN_HEAD_DIM /
     add_tile<NT>(acc, hi, lo);
 }
 
-// S tile scaled to log2 units, keys past n_text masked to −inf.
-__device__ __forceinline__ void score_tile(float s[ATTN_BLOCK_KV / 8][4], const float* q_s, const float* k_s,
-                                           int r0, int kv0, int n_text, float scale_log2, int g, int t) {
-    rows_times_tile_t(s, q_s, k_s, r0, g, t);
+// S for NT·8 keys from kv0, scaled to log2 units, keys past n_text masked to −inf.
+template <int NT>
+__device__ __forceinline__ void score_tile(float s[NT][4], const float* q_s, const float* k_s, int r0, int kv0,
+                                           int n_text, float scale_log2, int g, int t) {
+    rows_times_t<NT>(s, q_s, k_s, r0, g, t);
 #pragma unroll
-    for (int n = 0; n < ATTN_BLOCK_KV / 8; ++n) {
+    for (int n = 0; n < NT; ++n) {
         const int col = kv0 + n * 8 + 2 * t;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -266,6 +286,25 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// c = (A^T B)[m0, m0 + 16) × [n0, n0 + 8) over the block's ATTN_BLOCK_Q query rows, where A is
+// the P or dS tile ([rows][ld_p] in p_s) and B the Q or dO tile; fresh accumulator (C layout).
+__device__ __forceinline__ void transposed_tile(float c[4], const float* p_s, int ld_p, const float* b_s, int m0,
+                                                int n0, int g, int t) {
+    float acc[1][4], acc_lo[1][4];
+    zero<1>(acc);
+    zero<1>(acc_lo);
+#pragma unroll
+    for (int k = 0; k < ATTN_BLOCK_Q; k += 8) {
+        float a[4], b[2];
+        load_a_trans(a, p_s, ld_p, m0, k, g, t);
+        load_b(b, b_s, LD_HD, k, n0, g, t);
+        mma(acc[0], acc_lo[0], a, b);
+    }
+    fold<1>(acc, acc_lo);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = acc[0][i];
+}
+
 // dst[kv rows × head_dim] (+)= A^T·B over the block's ATTN_BLOCK_Q query rows, where A is the
 // P or dS tile in p_s and B is the Q or dO tile; the (16 × 8) output tiles are dealt to warps.
 // When accumulating, the old values are all loaded before the products, so their global-memory
@@ -291,22 +330,52 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
         }
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j) {
-        const int tile = warp + j * WARPS, m0 = (tile / N_TILES) * 16, n0 = (tile % N_TILES) * 8;
-        float c[1][4], c_lo[1][4];
-        zero<1>(c);
-        zero<1>(c_lo);
-#pragma unroll
-        for (int k = 0; k < ATTN_BLOCK_Q; k += 8) {
-            float a[4], b[2];
-            load_a_trans(a, p_s, LD_KV, m0, k, g, t);
-            load_b(b, b_s, LD_HD, k, n0, g, t);
-            mma(c[0], c_lo[0], a, b);
-        }
-        fold<1>(c, c_lo);
+        const int tile = warp + j * WARPS;
+        float c[4];
+        transposed_tile(c, p_s, LD_KV, b_s, (tile / N_TILES) * 16, (tile % N_TILES) * 8, g, t);
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             if (float2* p = at(j, half))
-                *p = make_float2(old[j][half].x + c[0][2 * half], old[j][half].y + c[0][2 * half + 1]);
+                *p = make_float2(old[j][half].x + c[2 * half], old[j][half].y + c[2 * half + 1]);
+    }
+}
+
+// The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
+// batch, and its own slice of the dK/dV partials.
+struct HeadSlices {
+    const float *q, *dout, *k, *v;
+    float *o, *dq, *dk, *dv;
+};
+
+__device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* kv0, const float* dout, float* o,
+                                                  float* dq, float* dkv_part, int n_video, int n_text, int hidden) {
+    const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const long long ld_kv = 2LL * hidden, col = head * ATTN_HEAD_DIM;
+    const long long video = (long long)batch * n_video * hidden + col;
+    HeadSlices h;
+    h.q = q0 + video;
+    h.dout = dout + video;
+    h.o = o + video;
+    h.dq = dq + video;
+    h.k = kv0 + (long long)batch * n_text * ld_kv + col;
+    h.v = h.k + hidden;
+    h.dk = dkv_part + ((long long)chunk * gridDim.z * n_text + (long long)batch * n_text) * ld_kv + col;
+    h.dv = h.dk + hidden;
+    return h;
+}
+
+// Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result.
+__device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows,
+                                           const float c[ATTN_HEAD_DIM / 8][4], int g, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g + 8 * h;
+        if (row < n_rows) {
+#pragma unroll
+            for (int n = 0; n < ATTN_HEAD_DIM / 8; ++n)
+                *reinterpret_cast<float2*>(dst + (long long)row * ld + n * 8 + 2 * t) =
+                    make_float2(c[n][2 * h], c[n][2 * h + 1]);
+        }
     }
 }
 
@@ -334,35 +403,25 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
-    const float* bq = biases[0];
-    const float* bk = biases[1];
-    const float* bv = biases[2];
-    const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int col = blockIdx.y * ATTN_HEAD_DIM;
+    const float* bq = biases[0] + col;
+    const float* bk = biases[1] + col;
+    const float* bv = biases[2] + col;
+    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
-    const int col = head * ATTN_HEAD_DIM;
-
-    const float* q_b = q0 + (long long)batch * n_video * hidden + col;
-    const float* do_b = dout + (long long)batch * n_video * hidden + col;
-    float* o_b = o + (long long)batch * n_video * hidden + col;
-    float* dq_b = dq + (long long)batch * n_video * hidden + col;
-    const float* k_b = kv0 + (long long)batch * n_text * ld_kv + col;
-    const float* v_b = k_b + hidden;
-    const long long n_rows_text = (long long)gridDim.z * n_text;
-    float* dk_b = dkv_part + ((long long)chunk * n_rows_text + (long long)batch * n_text) * ld_kv + col;
-    float* dv_b = dk_b + hidden;
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
-    const int tile_begin = chunk * tiles_per_chunk;
+    const int tile_begin = blockIdx.x * tiles_per_chunk;
     const int tile_end = min(tile_begin + tiles_per_chunk, n_q_tiles);
 
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
         __syncthreads();  // the previous tile's readers of q_s / do_s are done
-        load_tile<ATTN_BLOCK_Q>(q_s, q_b, hidden, q_row0, n_video, bq + col);
-        load_tile<ATTN_BLOCK_Q>(do_s, do_b, hidden, q_row0, n_video, nullptr);
+        load_tile<ATTN_BLOCK_Q>(q_s, hs.q, hidden, q_row0, n_video, bq);
+        load_tile<ATTN_BLOCK_Q>(do_s, hs.dout, hidden, q_row0, n_video, nullptr);
 
         // ---- pass 1: online softmax → log-sum-exp (log2 units), O, and D = rowsum(P ∘ dP) ----
         // D is taken from the same dP products that pass 2 uses (not from dO ∘ O), so each row
@@ -374,12 +433,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
         for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
-            load_tile<ATTN_BLOCK_KV>(k_s, k_b, ld_kv, kv0, n_text, bk + col);
-            load_tile<ATTN_BLOCK_KV>(v_s, v_b, ld_kv, kv0, n_text, bv + col);
+            load_tile<ATTN_BLOCK_KV>(k_s, hs.k, ld_kv, kv0, n_text, bk);
+            load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
             __syncthreads();
             float s[NT_KV][4], dp[NT_KV][4];
-            score_tile(s, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
-            rows_times_tile_t(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
+            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+            rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -410,7 +469,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             }
             store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
             __syncwarp();
-            rows_times_tile_add(o_acc, p_s, v_s, r0, g, t);  // O += P V
+            rows_times_add<ATTN_BLOCK_KV>(o_acc, p_s, LD_KV, v_s, r0, g, t);  // O += P V
             __syncwarp();
         }
 
@@ -422,14 +481,13 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             lse[h] = m_run[h] + log2f(l);
             const float inv_l = 1.f / l;
             d_row[h] = quad_sum(d_run[h]) * inv_l;
-            const int row = q_row0 + r0 + g + 8 * h;
-            if (row < n_video) {
 #pragma unroll
-                for (int n = 0; n < NT_HD; ++n)
-                    *reinterpret_cast<float2*>(o_b + (long long)row * hidden + n * 8 + 2 * t) =
-                        make_float2(o_acc[n][2 * h] * inv_l, o_acc[n][2 * h + 1] * inv_l);
+            for (int n = 0; n < NT_HD; ++n) {
+                o_acc[n][2 * h] *= inv_l;
+                o_acc[n][2 * h + 1] *= inv_l;
             }
         }
+        store_rows(hs.o, hidden, q_row0 + r0, n_video, o_acc, g, t);
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];
@@ -438,23 +496,23 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
         for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
-            load_tile<ATTN_BLOCK_KV>(k_s, k_b, ld_kv, kv0, n_text, bk + col);
-            load_tile<ATTN_BLOCK_KV>(v_s, v_b, ld_kv, kv0, n_text, bv + col);
+            load_tile<ATTN_BLOCK_KV>(k_s, hs.k, ld_kv, kv0, n_text, bk);
+            load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
             __syncthreads();
             float p[NT_KV][4];
-            score_tile(p, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) p[n][i] = exp2f(p[n][i] - lse[i / 2]);
 
             float dp[NT_KV][4];
-            rows_times_tile_t(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
+            rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
 
             // dV = P^T dO for this key tile, over the block's query rows.
             store_acc<NT_KV>(p_s, LD_KV, r0, p, g, t);
             __syncthreads();
-            block_transposed_product(dv_b, ld_kv, kv0, n_text, accumulate, p_s, do_s, warp, g, t);
+            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, warp, g, t);
             __syncthreads();
 
             // dS = P ∘ (dP − D) · scale, reusing the dp registers.
@@ -464,23 +522,150 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
                 for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
             store_acc<NT_KV>(p_s, LD_KV, r0, dp, g, t);
             __syncthreads();
-            block_transposed_product(dk_b, ld_kv, kv0, n_text, accumulate, p_s, q_s, warp, g, t);
+            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, warp, g, t);
 
-            rows_times_tile_add(dq_acc, p_s, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
+            rows_times_add<ATTN_BLOCK_KV>(dq_acc, p_s, LD_KV, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
         }
 
+        store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+    }
+}
+
+#if ATTN_KEYS
+// The resident kernel: all ATTN_KEYS (≥ n_text, a multiple of 16) keys and values of the head
+// stay in shared memory for the whole chunk, so each query tile takes one pass: the exact
+// softmax of a whole row is in registers (no second pass, no log-sum-exp), and the block's dK
+// and dV accumulate in registers over its query tiles, stored once at the end.
+// Shared memory: 2 (K, V) + 2 (Q, dO) row tiles and P/dS; two blocks per SM for ≤ 80 keys.
+// The P/dS stride is ≡ 8 (mod 32) floats, conflict-free for both fragment orders (see LD_HD).
+#define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
+static_assert(ATTN_KEYS % 16 == 0, "the resident keys are whole 16-row mma tiles");
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
+attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
+                  const float* const* __restrict__ biases, const float* __restrict__ dout, float* __restrict__ o,
+                  float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text, int hidden,
+                  int tiles_per_chunk, float scale) {
+    constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8, WARPS = ATTN_THREADS / 32;
+    constexpr int PER_WARP = (NK / 16) * NT_HD / WARPS;  // 16 × 8 tiles of dK (and of dV) per warp
+    extern __shared__ float4 smem4[];
+    float* k_s = reinterpret_cast<float*>(smem4);  // [NK][LD_HD]
+    float* v_s = k_s + NK * LD_HD;                  // [NK][LD_HD]
+    float* q_s = v_s + NK * LD_HD;                  // [ATTN_BLOCK_Q][LD_HD]
+    float* do_s = q_s + ATTN_BLOCK_Q * LD_HD;       // [ATTN_BLOCK_Q][LD_HD]
+    float* p_s = do_s + ATTN_BLOCK_Q * LD_HD;       // [ATTN_BLOCK_Q][LD_P]: P, then dS
+
+    const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
+    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int r0 = warp * 16;
+    const float scale_log2 = scale * 1.4426950408889634f;
+    const long long ld_kv = 2LL * hidden;
+    load_tile<NK>(k_s, hs.k, ld_kv, 0, n_text, biases[1] + col);
+    load_tile<NK>(v_s, hs.v, ld_kv, 0, n_text, biases[2] + col);
+
+    float dk_acc[PER_WARP][4], dv_acc[PER_WARP][4];
+    zero<PER_WARP>(dk_acc);
+    zero<PER_WARP>(dv_acc);
+    // acc[j] += (A^T B) for this warp's output tiles j (A in p_s, B = Q or dO).
+    auto add_transposed = [&](float (&acc)[PER_WARP][4], const float* b_s) {
+#pragma unroll
+        for (int j = 0; j < PER_WARP; ++j) {
+            const int tile = warp + j * WARPS;
+            float c[4];
+            transposed_tile(c, p_s, LD_P, b_s, (tile / NT_HD) * 16, (tile % NT_HD) * 8, g, t);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] += c[i];
+        }
+    };
+
+    const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
+    const int tile_begin = blockIdx.x * tiles_per_chunk;
+    const int tile_end = min(tile_begin + tiles_per_chunk, n_q_tiles);
+    for (int qt = tile_begin; qt < tile_end; ++qt) {
+        const int q_row0 = qt * ATTN_BLOCK_Q;
+        __syncthreads();  // the previous tile's readers of q_s, do_s and p_s are done
+        load_tile<ATTN_BLOCK_Q>(q_s, hs.q, hidden, q_row0, n_video, biases[0] + col);
+        load_tile<ATTN_BLOCK_Q>(do_s, hs.dout, hidden, q_row0, n_video, nullptr);
+        __syncthreads();
+
+        // P = softmax(S) exactly, from the whole row.
+        float p[NT_K][4];
+        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_text, scale_log2, g, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = q_row0 + r0 + g + 8 * h;
-            if (row < n_video) {
+            float mx = neg_inf();
 #pragma unroll
-                for (int n = 0; n < NT_HD; ++n)
-                    *reinterpret_cast<float2*>(dq_b + (long long)row * hidden + n * 8 + 2 * t) =
-                        make_float2(dq_acc[n][2 * h], dq_acc[n][2 * h + 1]);
+            for (int n = 0; n < NT_K; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
+            mx = quad_max(mx);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n)
+#pragma unroll
+                for (int i = 2 * h; i < 2 * h + 2; ++i) {
+                    p[n][i] = exp2f(p[n][i] - mx);
+                    sum += p[n][i];
+                }
+            const float inv = 1.f / quad_sum(sum);
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n) {
+                p[n][2 * h] *= inv;
+                p[n][2 * h + 1] *= inv;
+            }
+        }
+        // O = P V first: fewer registers are live than while dP is held too.
+        store_acc<NT_K>(p_s, LD_P, r0, p, g, t);
+        __syncwarp();
+        {
+            float o_acc[NT_HD][4];
+            zero<NT_HD>(o_acc);
+            rows_times_add<NK>(o_acc, p_s, LD_P, v_s, r0, g, t);
+            store_rows(hs.o, hidden, q_row0 + r0, n_video, o_acc, g, t);
+        }
+        // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
+        float dp[NT_K][4], d_row[2];
+        rows_times_t<NT_K>(dp, do_s, v_s, r0, g, t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float dot = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n) dot += p[n][2 * h] * dp[n][2 * h] + p[n][2 * h + 1] * dp[n][2 * h + 1];
+            d_row[h] = quad_sum(dot);
+        }
+        // dS = P ∘ (dP − D) · scale, reusing the dp registers (P is not needed in registers after).
+#pragma unroll
+        for (int n = 0; n < NT_K; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
+        __syncthreads();  // all rows of P are in p_s
+        add_transposed(dv_acc, do_s);  // dV += P^T dO
+        __syncthreads();  // every warp is done reading P
+        store_acc<NT_K>(p_s, LD_P, r0, dp, g, t);
+        __syncthreads();
+        add_transposed(dk_acc, q_s);  // dK += dS^T Q
+        {
+            float dq_acc[NT_HD][4];
+            zero<NT_HD>(dq_acc);
+            rows_times_add<NK>(dq_acc, p_s, LD_P, k_s, r0, g, t);  // dQ = dS K
+            store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+        }
+    }
+
+    // This chunk's dK and dV (rows past n_text are padding).
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j) {
+        const int tile = warp + j * WARPS, n0 = (tile % NT_HD) * 8 + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = (tile / NT_HD) * 16 + g + 8 * h;
+            if (row < n_text) {
+                *reinterpret_cast<float2*>(hs.dk + row * ld_kv + n0) = make_float2(dk_acc[j][2 * h], dk_acc[j][2 * h + 1]);
+                *reinterpret_cast<float2*>(hs.dv + row * ld_kv + n0) = make_float2(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
             }
         }
     }
 }
+#endif
 
 // dkv[i] = Σ_c dkv_part[c][i], summed in chunk order (deterministic). n4 = element count / 4.
 extern "C" __global__ void attn_dkdv_reduce(const float4* __restrict__ dkv_part, float4* __restrict__ dkv,

@@ -1,14 +1,18 @@
 // fp32 → fp16 with a per-tensor power-of-two scale, for the fp16 precision mode.
 //
-// A tensor x is stored as half(x · s) with s = 2^(HALF_TARGET_EXP − e), where 2^e is the
-// smallest power of two above max|x|. So the largest element lands just under 2^HALF_TARGET_EXP
-// (far from fp16's 65504: nothing overflows) and small tensors (gradients of 1e-8) are lifted
-// into fp16's normal range, keeping its 11-bit relative precision. Powers of two make the
-// scaling exact; a GEMM on two scaled tensors is undone by alpha = (1/s_a)·(1/s_b).
+// A tensor x is stored as half(x · s). s = 1 when max|x| lies in [2^HALF_KEEP_LOW_EXP,
+// 2^HALF_TARGET_EXP): nothing overflows, and elements down to 2^-10 · max|x| stay normal (full
+// 11-bit precision). Otherwise s = 2^(HALF_TARGET_EXP − e), where 2^e is the smallest power of
+// two above max|x|: the largest element lands just under 2^HALF_TARGET_EXP, far from fp16's
+// 65504, and small tensors (gradients of 1e-8) are lifted into the normal range. Powers of two
+// make the scaling exact; a GEMM on two scaled tensors is undone by alpha = (1/s_a)·(1/s_b).
 //
-//   half_absmax:    amax_bits[slot] = max(amax_bits[slot], bits(max|x|))   (zeroed first)
-//   half_convert:   y = half(x · s_slot); inv_scale[slot] = 1/s_slot      grid-stride, float4 in
-//   half_alphas:    alpha[i·n + j] = inv_scale[i] · inv_scale[j]           one block, n·n ≤ 1024
+// Since s = 1 is the common case, the copy is made at s = 1 while max|x| is taken, and only a
+// tensor that needs another scale is written again:
+//   half_copy_absmax: y = half(x); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
+//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ 1, y = half(x · s)
+//   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; amax_bits zeroed for the next
+//                     group or run (they start at zero)                 one block, n·n ≤ 1024
 //
 // max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
 // bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
@@ -16,9 +20,12 @@
 #ifndef HALF_TARGET_EXP
 #define HALF_TARGET_EXP 14
 #endif
+#ifndef HALF_KEEP_LOW_EXP
+#define HALF_KEEP_LOW_EXP (-4)
+#endif
 #define HALF_THREADS 256
 
-// A group of tensors is converted by one launch each for absmax and convert: blockIdx.y picks
+// A group of tensors is converted by one launch each of half_copy_absmax and half_rescale: blockIdx.y picks
 // the tensor. sources[i] is a slot of the plan's pointer table (the caller's arrays move from
 // call to call); meta holds, for n tensors, n4[i] (element count / 4), then dest[i] (the fp16
 // copy's address), then slot[i] (its scale slot; tensors may share one).
@@ -28,34 +35,10 @@ __device__ __forceinline__ uint2* group_dest(const long long* meta, int n, int i
 }
 __device__ __forceinline__ int group_slot(const long long* meta, int n, int i) { return (int)meta[2 * n + i]; }
 
-extern "C" __global__ void __launch_bounds__(HALF_THREADS)
-half_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-            unsigned* __restrict__ amax_bits) {
-    const int i = blockIdx.y;
-    const float4* x = sources[i];
-    const long long n4 = group_n4(meta, i);
-    float m = 0.f;
-    bool nan = false;  // fmaxf drops NaN operands, so NaN is tracked on the side
-    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
-         j += (long long)gridDim.x * HALF_THREADS) {
-        const float4 v = x[j];
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        nan |= v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
-    }
-    unsigned bits = nan ? 0x7fc00000u : __float_as_uint(m);
-    for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
-    __shared__ unsigned warp_max[HALF_THREADS / 32];
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
-        atomicMax(amax_bits + group_slot(meta, n, i), bits);  // max is order-independent: deterministic
-    }
-}
-
 __device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
     const float amax = __uint_as_float(amax_bits);
     if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // zero, inf or NaN: leave as is
+    if (amax >= ldexpf(1.f, HALF_KEEP_LOW_EXP) && amax < ldexpf(1.f, HALF_TARGET_EXP)) return 1.f;
     int e;
     frexpf(amax, &e);  // amax < 2^e
     return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
@@ -70,14 +53,42 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 }
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
-half_convert(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale) {
-    const int i = blockIdx.y, slot = group_slot(meta, n, i);
+half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
+                 unsigned* __restrict__ amax_bits) {
+    const int i = blockIdx.y;
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
     const long long n4 = group_n4(meta, i);
+    float m = 0.f;
+    bool nan = false;  // fmaxf drops NaN operands, so NaN is tracked on the side
+    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
+         j += (long long)gridDim.x * HALF_THREADS) {
+        const float4 v = x[j];
+        y[j] = make_uint2(pack_half2(v.x, v.y), pack_half2(v.z, v.w));
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        nan |= v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
+    }
+    unsigned bits = nan ? 0x7fc00000u : __float_as_uint(m);
+    for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
+    __shared__ unsigned warp_max[HALF_THREADS / 32];
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
+        atomicMax(amax_bits + group_slot(meta, n, i), bits);  // max is order-independent: deterministic
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HALF_THREADS)
+half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
+             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    const int i = blockIdx.y, slot = group_slot(meta, n, i);
     const float s = pow2_scale(amax_bits[slot]);
     if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[slot] = 1.f / s;  // same value for a shared slot
+    if (s == 1.f) return;  // half_copy_absmax's copy stands
+    const float4* x = sources[i];
+    uint2* y = group_dest(meta, n, i);
+    const long long n4 = group_n4(meta, i);
     for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
          j += (long long)gridDim.x * HALF_THREADS) {
         const float4 v = x[j];
@@ -85,7 +96,9 @@ half_convert(const float4* const* __restrict__ sources, const long long* __restr
     }
 }
 
-extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n) {
+extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n,
+                                       unsigned* __restrict__ amax_bits) {
     const int i = threadIdx.x / n, j = threadIdx.x % n;
     if (i < n) alpha[threadIdx.x] = inv_scale[i] * inv_scale[j];
+    if (threadIdx.x < n) amax_bits[threadIdx.x] = 0u;
 }

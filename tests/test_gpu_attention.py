@@ -13,7 +13,8 @@ TOLERANCE = {"tf32": 5e-3, "fp32": 2e-5}
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
-    (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31)])
+    (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
+    (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1)])
 def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision):
     import cupy
     heads, hidden = 16, 1024

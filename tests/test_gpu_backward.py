@@ -90,6 +90,21 @@ def test_edge_shapes(shape, precision):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("factor", [2.0 ** -30, 2.0 ** -12, 2.0 ** 20], ids=["tiny", "small", "huge"])
+def test_fp16_mode_rescales_gradients_outside_the_unscaled_range(factor):
+    # Every gradient is linear in dY. Scaled by 2^-30 they would vanish in fp16 (smallest
+    # subnormal 2^-24), by 2^-12 they would lose bits to subnormals, by 2^20 they would overflow
+    # (max 65504): the fp16 copies must be rescaled, and the error relative to each output's
+    # size must stay that of unit-sized data.
+    case = cases.Case(2, 130, 77, atol=0.0)
+    inputs, ref = _case_data(case, 8)
+    inputs = dict(inputs, grad_output=inputs["grad_output"] * numpy.float32(factor))
+    ref = CrossAttentionGrads(*(r * factor for r in ref))
+    errors = _relative_errors(cross_attention_backward(**_on_gpu(inputs), precision="fp16"), ref)
+    bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE["fp16"]}
+    assert not bad, bad
+
+
 def test_other_head_counts_with_head_dim_64():
     case = cases.Case(2, 100, 50, atol=0.0)
     inputs, ref = _case_data(case, 6, hidden_size=512, num_heads=8)

@@ -17,10 +17,15 @@ def test_every_kernel_compiles(filename, arch):
     assert cubin[:4] == b"\x7fELF"
 
 
-def test_fp32_mode_attention_kernel_compiles():
-    # The 3xTF32 variant (ATTN_SPLIT3) is a different program: compile it too, for both targets.
-    for arch in ("sm_80", "sm_90"):
-        assert kernels.compile_cubin("attention_bwd.cu", arch, {"ATTN_SPLIT3": 1})[:4] == b"\x7fELF"
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("defines", [{"ATTN_SPLIT3": 1}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 80},
+                                     {"ATTN_SPLIT3": 1, "ATTN_KEYS": 80}])
+def test_attention_kernel_variants_compile(defines, arch):
+    # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
+    cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)
+    assert cubin[:4] == b"\x7fELF"
+    if "ATTN_KEYS" in defines:
+        assert b"attn_bwd_resident" in cubin
 
 
 @pytest.fixture
