@@ -4,7 +4,7 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
 
     Q0 = X Wq^T            [K0 | V0] = T [Wk | Wv]^T (one batched GEMM)     dO = dY Wo
     attention kernel → O, dQ, dKV = [dK | dV]                  (biases bq, bk, bv added inside)
-    dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = dK Wk + dV Wv    [dWk | dWv] = [dK | dV]^T T
+    dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
 
 Every GEMM runs at the mode's precision: fp32 (IEEE FFMA), tf32 (TF32 tensor cores) or fp16
@@ -12,8 +12,13 @@ Every GEMM runs at the mode's precision: fp32 (IEEE FFMA), tf32 (TF32 tensor cor
 The bias sums stay fp32 in every mode. Nothing uses atomics whose order varies: two calls give
 bitwise-identical results.
 
+Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
+with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
+dX then dWo|dWq, dT then dWk|dWv, and the bias sums. On the small shapes one GEMM fills a
+fraction of the SMs, so the lanes overlap what would otherwise run one after the other.
+
 A :class:`Backward` is built once per (problem size, precision, stream): it owns every
-intermediate buffer and a cuBLAS handle, and records its launches as a list of steps. The
+intermediate buffer, its lanes and their cuBLAS handles, and records its launches as a list of steps. The
 caller's arrays are never baked into a step: each step reads their addresses from a device
 pointer table (kernels dereference it; cuBLAS takes it through ``cublasGemmBatchedEx``), which
 :meth:`Backward.bind` rewrites before every run. So the same steps can be captured once into a
@@ -32,6 +37,7 @@ from .half_scaling import HalfScaler
 OUTPUT_NAMES = CrossAttentionGrads._fields
 
 _H2D = 1
+_LANES = 3  # the main stream and two forked streams
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
@@ -105,7 +111,9 @@ class Backward:
         self._o, self._dq, self._dkv = f32(mv, d), f32(mv, d), f32(mt, 2 * d)
         self._ones = cupy.ones(max(mv, mt), numpy.float32)
         self._constants = cupy.array([0.0, 1.0], numpy.float32)  # beta = 0, beta = alpha = 1
-        self._cublas = _cublas.Handle(stream)
+        self._lanes = [stream] + [cupy.cuda.Stream(non_blocking=True) for _ in range(_LANES - 1)]
+        self._handles = [_cublas.Handle(lane) for lane in self._lanes]
+        self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(_LANES)]
         self._table = PointerTable()
         self._steps = []
         self._compute = COMPUTE_TYPE[precision]
@@ -116,8 +124,8 @@ class Backward:
     # -- recording ---------------------------------------------------------------------------
 
     def _gemm(self, a, b, c, *, m, n, k, lda, ldb, ldc, trans_a=False, trans_b=False,
-              data_type=_R_32F, compute=None, alpha=None, accumulate=False):
-        """Record row-major ``c[i] = alpha · op(a[i]) op(b[i]) (+ c[i])`` for each i of the batch.
+              data_type=_R_32F, compute=None, alpha=None, accumulate=False, lane=0):
+        """Record row-major ``c[i] = alpha · op(a[i]) op(b[i]) (+ c[i])`` for each i of the batch, on ``lane``.
 
         a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
         row-major product is computed as c^T = op(b)^T op(a)^T, so b goes first.
@@ -127,11 +135,31 @@ class Backward:
         beta = self._constants.data.ptr + 4 * int(accumulate)
         compute = self._compute if compute is None else compute
         batch = len(c)
-        table, handle = self._table, self._cublas
+        table, handle = self._table, self._handles[lane]
         self._steps.append((f"gemm {m}x{n}x{k}" + (f" x{batch}" if batch > 1 else ""), lambda: handle.gemm_batched(
             OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
             table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
-            beta, table.address(slot_c), _R_32F, ldc, batch, compute)))
+            beta, table.address(slot_c), _R_32F, ldc, batch, compute), lane))
+
+    def _fork(self):
+        """Record: the side lanes wait for everything issued so far on the main lane."""
+        main, sides, event = self._lanes[0], self._lanes[1:], self._events[0]
+
+        def fork():
+            event.record(main)
+            for side in sides:
+                side.wait_event(event)
+        self._steps.append(("fork", fork, 0))
+
+    def _join(self):
+        """Record: the main lane waits for everything issued so far on the side lanes."""
+        main, sides, events = self._lanes[0], self._lanes[1:], self._events[1:]
+
+        def join():
+            for side, event in zip(sides, events):
+                event.record(side)
+                main.wait_event(event)
+        self._steps.append(("join", join, 0))
 
     def _gemm_group(self, members, **shape):
         """Record GEMMs of one shape, ``members`` = [(a, b, c, alpha)]: one batched call when
@@ -176,21 +204,24 @@ class Backward:
             alpha = s.alpha
 
         gemm = self._gemm
+        self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
              data_type=dtype, alpha=alpha(_X, _WQ))
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, 4 * d)], m=mt, n=d, k=d, lda=d, ldb=d,
-             ldc=2 * d, trans_b=True, data_type=dtype, alpha=alpha(_T, _WKV))
+             ldc=2 * d, trans_b=True, data_type=dtype, alpha=alpha(_T, _WKV), lane=1)
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, data_type=dtype,
-             alpha=alpha(_DY, _WO))
+             alpha=alpha(_DY, _WO), lane=2)
+        self._join()
 
         # Steps close over what they use, not over self: an evicted plan is freed at once
         # (no reference cycle waiting for the garbage collector).
         biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
         attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv)
-        self._steps.append(("attention", lambda: attention(*buffers)))
+        self._steps.append(("attention", lambda: attention(*buffers), 0))
         if self._scaler is not None:
             self._record_conversions(stage_b)
 
+        self._fork()
         gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
              data_type=dtype, alpha=alpha(_DQ, _WQ))
         # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs when they
@@ -198,28 +229,33 @@ class Backward:
         self._gemm_group([(DY, O, "grad_output_weight", alpha(_DY, _O)),
                           (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
-        gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
-             data_type=dtype, alpha=alpha(_DKV, _WKV))
-        gemm([DV], [WV], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
-             data_type=dtype, alpha=alpha(_DKV, _WKV), accumulate=True)
+        if self._scaler is not None:  # [Wk; Wv] is one fp16 copy: dT = [dK | dV] [Wk; Wv], one GEMM
+            gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
+                 data_type=dtype, alpha=alpha(_DKV, _WKV), lane=1)
+        else:  # the caller's Wk and Wv are two arrays: dT = dK Wk, then += dV Wv
+            gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
+                 data_type=dtype, alpha=alpha(_DKV, _WKV), lane=1)
+            gemm([DV], [WV], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d,
+                 data_type=dtype, alpha=alpha(_DKV, _WKV), accumulate=True, lane=1)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
-             lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T))
+             lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T), lane=1)
 
         # Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix.
         ones = addr(self._ones)
-        fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F)
+        fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F, lane=2)
         gemm([ones, ones], ["grad_output", addr(self._dq)], ["grad_output_bias", "grad_query_bias"],
              m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
         gemm([ones, ones], [dk, dv], ["grad_key_bias", "grad_value_bias"], m=1, n=d, k=mt,
              lda=mt, ldb=2 * d, ldc=d, **fp32)
+        self._join()
 
     def _record_conversions(self, tensors):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest, slot)]."""
         first = self._table.add(*(source for source, *_ in tensors))
         copy, rescale = self._scaler.group(self._table.address(first),
                                            [(size, dest, slot) for _, size, dest, slot in tensors])
-        self._steps += [(f"to fp16 x{len(tensors)}", copy), (f"fp16 rescale x{len(tensors)}", rescale),
-                        ("fp16 alphas", self._scaler.update_alphas)]
+        self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0),
+                        ("fp16 alphas", self._scaler.update_alphas, 0)]
 
     # -- running -----------------------------------------------------------------------------
 
@@ -227,13 +263,16 @@ class Backward:
         """Point the steps at the caller's arrays (addresses: uint64, INPUT_NAMES then OUTPUT_NAMES)."""
         self._table.bind(addresses, stream)
 
-    def run(self, between=None):
-        """Issue every step on ``self.stream`` (directly, or into a graph being captured).
+    def run(self, timer=None):
+        """Issue every step on its lane (directly, or into a graph being captured on ``self.stream``).
 
-        ``between(label)``, if given, is called after each step (e.g. to record an event there).
+        ``timer(label, stream, step)``, if given, issues each step instead (e.g. between two
+        events recorded on ``stream``, the step's lane).
         """
-        with self.stream:
-            for label, step in self._steps:
-                step()
-                if between is not None:
-                    between(label)
+        for label, step, lane in self._steps:
+            stream = self._lanes[lane]
+            with stream:
+                if timer is None:
+                    step()
+                else:
+                    timer(label, stream, step)

@@ -1,7 +1,8 @@
 """GPU time of each step of the backward (events between steps), for one shape and precision.
 
 Usage: PYTHONPATH=. python3 scripts/profile_steps.py 64x128x77 tf32 [--reps 10]
-The steps run back to back on the plan's stream, uncaptured, so small ones include a launch gap.
+The steps run uncaptured, each on its lane (steps on side lanes overlap the main lane's), so
+small ones include a launch gap; the last line is the whole run, first start to last end.
 """
 import argparse
 
@@ -25,27 +26,25 @@ def main():
     out = plan(**inputs)
     (program, _), = plan._programs.values()
     program.bind(numpy.fromiter((a.data.ptr for a in (*inputs.values(), *out)), numpy.uint64), program.stream)
-    times = {}
+    times, totals = {}, []
     for _ in range(args.reps):
-        marks = [cupy.cuda.Event()]
-        marks[0].record(program.stream)
-        labels = []
+        marks = []
 
-        def between(label):
-            marks.append(cupy.cuda.Event())
-            marks[-1].record(program.stream)
-            labels.append(label)
+        def timer(label, stream, step):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            step()
+            end.record(stream)
+            marks.append((label, stream is program.stream, start, end))
 
-        program.run(between)
-        marks[-1].synchronize()
-        for i, label in enumerate(labels):
-            times.setdefault((i, label), []).append(cupy.cuda.get_elapsed_time(marks[i], marks[i + 1]) * 1e3)
-    total = 0.0
-    for (i, label), t in times.items():
-        median = float(numpy.median(t))
-        total += median
-        print(f"{i:3d} {label:32s} {median:9.1f} us")
-    print(f"    {'sum':32s} {total:9.1f} us")
+        program.run(timer)
+        marks[-1][3].synchronize()
+        totals.append(cupy.cuda.get_elapsed_time(marks[0][2], marks[-1][3]) * 1e3)
+        for i, (label, main, start, end) in enumerate(marks):
+            times.setdefault((i, label, main), []).append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+    for (i, label, main), t in times.items():
+        print(f"{i:3d} {label:32s} {float(numpy.median(t)):9.1f} us{'' if main else '   (side lane)'}")
+    print(f"    {'first start to last end':32s} {float(numpy.median(totals)):9.1f} us")
 
 
 if __name__ == "__main__":
