@@ -3,8 +3,10 @@
 Problems are collected, not raised one at a time: a call with several bad arguments gets one
 error naming all of them (TypeError for types and dtypes, ValueError for everything else).
 """
+import functools
 import math
 import numbers
+import operator
 from typing import NamedTuple
 
 import numpy
@@ -142,7 +144,9 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     few comparisons, since on a slow host the full check costs more than the GPU work of a
     small case. Whenever anything differs, None: :func:`validate` then explains what is wrong.
     """
-    if backend != "cupy" or precision not in PRECISIONS or not _is_int(num_heads) or num_heads <= 0:
+    # type() first: isinstance against the numbers ABC costs more.
+    if (backend != "cupy" or precision not in PRECISIONS or (type(num_heads) is not int and not _is_int(num_heads))
+            or num_heads <= 0):
         return None
     if scale is not None and not (type(scale) in (int, float) and 0 < scale < math.inf):
         return None
@@ -158,46 +162,62 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     device = x.data.device_id
     if device != cupy.cuda.runtime.getDevice():  # the plan cache is per current device
         return None
-    vec, mat, video, text = (d,), (d, d), (b, nv, d), (b, nt, d)
-    shapes = (video, video, text, mat, vec, mat, vec, mat, vec, mat, vec)
-
-    def spans(arrays, shapes, alignment):
-        """[(start, end)] of each array, or None if one is not of the common kind."""
-        found = []
-        for a, shape in zip(arrays, shapes):
-            # _c_contiguous: CuPy's flag itself (``flags`` builds an object per access).
-            if type(a) is not ndarray or a.dtype is not _FLOAT32 or not a._c_contiguous or a.shape != shape:
-                return None
-            data = a.data
-            start = data.ptr
-            if data.device_id != device or start % alignment:
-                return None
-            found.append((start, start + a.nbytes))
-        return found
-
+    input_shapes, output_shapes, nbytes = _layout(b, nv, nt, d)
     # The kernels read inputs 16 bytes at a time; cuBLAS writes the outputs, any float32 alignment.
-    inputs_found = spans(inputs, shapes, INPUT_ALIGNMENT)
-    if inputs_found is None:
+    addresses = _addresses(inputs, input_shapes, ndarray, device, INPUT_ALIGNMENT)
+    if addresses is None:
         return None
-    addresses = [start for start, _ in inputs_found]
     if out is not None:
-        outputs_found = spans(out, shapes[1:], 1) if len(out) == len(CrossAttentionGrads._fields) else None
-        if outputs_found is None:
+        outputs = (_addresses(out, output_shapes, ndarray, device, 1)
+                   if len(out) == len(CrossAttentionGrads._fields) else None)
+        if outputs is None or _outputs_overlap(addresses + outputs, len(addresses), nbytes):
             return None
-        addresses += [start for start, _ in outputs_found]
-        # Outputs may overlap nothing; inputs may overlap each other (the same array twice).
-        end_all = end_out = 0
-        for start, end, is_out in sorted([(s, e, False) for s, e in inputs_found]
-                                         + [(s, e, True) for s, e in outputs_found]):
-            if start < (end_all if is_out else end_out):
-                return None
-            if end > end_all:
-                end_all = end
-            if is_out and end > end_out:
-                end_out = end
+        addresses += outputs
     head_dim = d // num_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     return Problem(b, nv, nt, d, num_heads, head_dim, scale), addresses
+
+
+def _addresses(arrays, shapes, ndarray, device, alignment):
+    """The data pointers of ``arrays``, or None if one is not of the common kind (fast_validate)."""
+    addresses = []
+    for a, shape in zip(arrays, shapes):
+        # _c_contiguous: CuPy's flag itself (``flags`` builds an object per access).
+        if type(a) is not ndarray or a.dtype is not _FLOAT32 or not a._c_contiguous or a.shape != shape:
+            return None
+        data = a.data
+        address = data.ptr
+        if data.device_id != device or address % alignment:
+            return None
+        addresses.append(address)
+    return addresses
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(b, nv, nt, d):
+    """(input shapes, output shapes, byte sizes of inputs then outputs) for fast_validate."""
+    dims = {"B": b, "Nv": nv, "Nt": nt, "D": d}
+    shapes = tuple(tuple(dims[s] for s in INPUT_SHAPES[name]) for name in INPUT_NAMES)
+    return shapes, shapes[1:], tuple(_FLOAT32.itemsize * math.prod(s) for s in shapes + shapes[1:])
+
+
+def _outputs_overlap(starts, first_output, nbytes):
+    """Whether an array from index ``first_output`` on (an output) overlaps any other one; those
+    before it (inputs) may overlap each other, as when one array is passed twice."""
+    ends = list(map(operator.add, starts, nbytes))
+    # Usually none overlap at all, which holds exactly when the i-th lowest end is at most the
+    # (i+1)-th lowest start: two sorts and a comparison, without a Python loop.
+    if all(map(operator.le, sorted(ends), sorted(starts)[1:])):
+        return False
+    end_all = end_out = 0  # the furthest end so far, of any array and of outputs
+    for start, end, index in sorted(zip(starts, ends, range(len(starts)))):
+        is_out = index >= first_output
+        if start < (end_all if is_out else end_out):
+            return True
+        end_all = max(end_all, end)
+        if is_out:
+            end_out = max(end_out, end)
+    return False
 
 
 def _show(symbols, dims):

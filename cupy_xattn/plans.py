@@ -1,6 +1,6 @@
 """Plans: the backward of one shape, captured once into a CUDA graph and replayed per call.
 
-On a slow host a CuPy call costs 10–40 µs and the backward is 11 steps (fp16: 19) of one or more
+On a slow host a CuPy call costs 10–40 µs and the backward is 11 steps (fp16: 18) of one or more
 launches, so issuing them one by one costs more than the GPU work on small shapes. A plan
 records the steps once (``backward.Backward``), runs them directly on its first call, captures
 them into a CUDA graph, and from then on costs one small host-to-device copy (the pointer table
@@ -29,6 +29,7 @@ CACHE_SIZE = 8
 #: scales one plan keeps a recording and graph for (the scale is baked into the attention launch).
 SCALES_PER_PLAN = 2
 _UNCAPTURED = "uncaptured"  # the graph slot of a plan that cuBLAS would not let us capture
+_FLOAT32 = numpy.dtype(numpy.float32)  # cupy.ndarray takes a dtype object faster than numpy.float32
 
 
 class Plan:
@@ -62,11 +63,19 @@ class Plan:
         dims = {"B": b, "Nv": nv, "Nt": nt, "D": d}
         self.input_shapes = tuple(tuple(dims[s] for s in INPUT_SHAPES[name]) for name in INPUT_NAMES)
         self.output_shapes = self.input_shapes[1:]
+        self._sizes = (batch_size, num_video_tokens, num_text_tokens, hidden_size, num_heads)
+        offsets = numpy.cumsum([0] + [_FLOAT32.itemsize * math.prod(s) for s in self.output_shapes]).tolist()
+        self._output_bytes = offsets[-1]
+        self._output_layout = tuple(zip(self.output_shapes, offsets))  # (shape, byte offset) of each output
         self._sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._programs = {}   # scale -> (Backward, graph), least recently used first
         self._lock = threading.Lock()
-        self._last_stream = None  # (stream pointer, event after the last launch) when no stream is fixed
+        # Events are reused (recorded again each call) rather than created per call: a wait
+        # already issued keeps the record it saw. Both are used only under the lock.
+        self._handoff = cupy.cuda.Event(disable_timing=True)  # ordering between streams within a call
+        self._done = cupy.cuda.Event(disable_timing=True)     # after the last launch, when no stream is fixed
+        self._last_stream = None  # pointer of the stream of that launch
         self._problem(1.0 / math.sqrt(self.head_dim))  # fail now on an unsupported head_dim
 
     def _problem(self, scale):
@@ -78,10 +87,8 @@ class Plan:
 
     def matches(self, problem, precision):
         """Whether this plan computes ``problem`` at ``precision`` on the current GPU."""
-        return (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size,
-                problem.num_heads, precision, import_cupy().cuda.runtime.getDevice()) == (
-            self.batch_size, self.num_video_tokens, self.num_text_tokens, self.hidden_size, self.num_heads,
-            self.precision, self.device)
+        return (problem[:5] == self._sizes and precision == self.precision  # (B, Nv, Nt, D, H)
+                and import_cupy().cuda.runtime.getDevice() == self.device)
 
     def __call__(self, grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
                  key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *,
@@ -111,17 +118,18 @@ class Plan:
         if addresses is None:
             addresses = [a.data.ptr for a in inputs] + ([] if out is None else [o.data.ptr for o in out])
         if out is None:
-            out = self._allocate(cupy)
-            addresses = addresses + [o.data.ptr for o in out]
-        addresses = numpy.array(addresses, numpy.uint64)
+            out, out_addresses = self._allocate(cupy)
+            addresses = addresses + out_addresses
+        addresses = numpy.fromiter(addresses, numpy.uint64, len(addresses))  # faster than numpy.array
         current = cupy.cuda.get_current_stream()
         stream = self.stream or current
         with self._lock, _on_device(cupy, self.device):
             if stream.ptr != current.ptr:  # a plan with its own stream: after the caller's work, and before it
-                stream.wait_event(current.record())
-            if self._last_stream is not None and self._last_stream[0] != stream.ptr:
+                self._handoff.record(current)
+                stream.wait_event(self._handoff)
+            if self._last_stream not in (None, stream.ptr):
                 # The pointer table is rewritten below: let the last replay (another stream) finish reading it.
-                stream.wait_event(self._last_stream[1])
+                stream.wait_event(self._done)
             program, graph = self._programs.pop(scale, (None, None))
             if program is None:
                 # Allocated on the stream that runs it: CuPy's pool reuses a freed block only in the
@@ -140,16 +148,20 @@ class Plan:
             while len(self._programs) > SCALES_PER_PLAN:
                 self._programs.pop(next(iter(self._programs)))
             if self.stream is None:
-                self._last_stream = (stream.ptr, stream.record())
+                self._done.record(stream)
+                self._last_stream = stream.ptr
             if stream.ptr != current.ptr:
-                current.wait_event(stream.record())
+                self._handoff.record(stream)
+                current.wait_event(self._handoff)
         return out
 
     def _run_direct(self, program, stream):
         """Issue the steps one by one on the plan's own stream, ordered after and before ``stream``."""
-        self._capture_stream.wait_event(stream.record())
+        self._handoff.record(stream)
+        self._capture_stream.wait_event(self._handoff)
         program.run()
-        stream.wait_event(self._capture_stream.record())
+        self._handoff.record(self._capture_stream)
+        stream.wait_event(self._handoff)
 
     def _first_run(self, program, stream):
         """Run the steps directly (loading every kernel and cuBLAS's), then capture them.
@@ -173,11 +185,14 @@ class Plan:
         return graph
 
     def _allocate(self, cupy):
-        sizes = [math.prod(s) for s in self.output_shapes]
-        flat = cupy.empty(sum(sizes), numpy.float32)
-        offsets = numpy.cumsum([0] + sizes)
-        return CrossAttentionGrads(*(flat[o:o + n].reshape(s)
-                                     for o, n, s in zip(offsets, sizes, self.output_shapes)))
+        """Fresh outputs and their addresses, every call: arrays laid over one new allocation.
+
+        ``cupy.ndarray`` over a pointer costs about half of a slice and a reshape of one array.
+        """
+        memory = cupy.cuda.alloc(self._output_bytes)
+        out = CrossAttentionGrads._make([cupy.ndarray(shape, _FLOAT32, memory + offset)
+                                         for shape, offset in self._output_layout])
+        return out, [memory.ptr + offset for _, offset in self._output_layout]
 
 
 def _on_device(cupy, device):

@@ -242,3 +242,16 @@ def test_errors_come_before_any_work_and_inputs_stay_untouched(arrays):
     with pytest.raises(ValueError, match="value_weight has shape"):
         cross_attention_backward(*bad.values(), num_heads=H, backend="cupy")
     assert _digest(arrays) == before
+
+
+def test_the_fast_overlap_test_agrees_with_comparing_every_pair():
+    from cupy_xattn.checks import _outputs_overlap
+    rng = numpy.random.default_rng(0)
+    for _ in range(3000):
+        n, first_output = int(rng.integers(2, 8)), int(rng.integers(1, 6))
+        starts = [int(s) for s in rng.integers(0, 40, n)]
+        nbytes = [int(s) for s in rng.integers(1, 12, n)]
+        ends = [s + size for s, size in zip(starts, nbytes)]
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n) if max(i, j) >= first_output]
+        expected = any(starts[i] < ends[j] and starts[j] < ends[i] for i, j in pairs)
+        assert _outputs_overlap(starts, first_output, nbytes) == expected, (starts, nbytes, first_output)

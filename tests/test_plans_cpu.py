@@ -5,7 +5,9 @@ the orchestration — steps, pointer table, first run and capture, replay, scale
 stream ordering, device checks, the uncaptured fallback — is tested in CI. The numbers are the
 GPU tests' business (tests/test_gpu_*.py).
 """
+import functools
 import itertools
+import re
 import sys
 import types
 
@@ -15,29 +17,54 @@ import pytest
 _addresses = itertools.count(1 << 32, 1 << 24)  # 16 MiB apart, 16-byte aligned
 
 
+class FakePointer:
+    """A cupy.cuda.MemoryPointer: an address on a device, offset by adding bytes."""
+
+    def __init__(self, ptr, device_id=0):
+        self.ptr, self.device_id = ptr, device_id
+
+    def __add__(self, offset):
+        return FakePointer(self.ptr + offset, self.device_id)
+
+
+def _alloc(nbytes):
+    """cupy.cuda.alloc: a fresh address range of at least ``nbytes``."""
+    ptr = next(_addresses)
+    for _ in range(nbytes >> 24):  # larger than the spacing: skip the addresses it covers
+        next(_addresses)
+    return FakePointer(ptr)
+
+
 class FakeArray:
     """What the library reads of a CuPy array."""
 
-    def __init__(self, shape, dtype=numpy.float32, ptr=None, device=0):
+    def __init__(self, shape, dtype=numpy.float32, memptr=None, *, ptr=None, device=0):
         self.shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         self.dtype = numpy.dtype(dtype)
         self.size = int(numpy.prod(self.shape))
         self.nbytes = self.size * self.dtype.itemsize
-        self.data = types.SimpleNamespace(ptr=next(_addresses) if ptr is None else ptr, device_id=device)
+        if memptr is None:
+            memptr = _alloc(self.nbytes) if ptr is None else FakePointer(ptr, device)
+        self.data = memptr
         self._c_contiguous = True
         self.ndim = len(self.shape)
 
     def __getitem__(self, rows):  # rows of a C-contiguous array (wkv_h[:d], buffer[1:])
         start, stop, _ = rows.indices(self.shape[0])
         row_bytes = self.nbytes // self.shape[0]
-        return FakeArray((stop - start,) + self.shape[1:], self.dtype, self.data.ptr + start * row_bytes)
+        return FakeArray((stop - start,) + self.shape[1:], self.dtype, self.data + start * row_bytes)
 
     def reshape(self, *shape):
-        return FakeArray(shape[0] if len(shape) == 1 else shape, self.dtype, self.data.ptr)
+        return FakeArray(shape[0] if len(shape) == 1 else shape, self.dtype, self.data)
 
 
 class FakeEvent:
-    pass
+    def __init__(self, log, disable_timing=False):
+        self.log = log
+        log.append(("new event", self))
+
+    def record(self, stream):
+        self.log.append(("record", stream.ptr, self))
 
 
 class FakeStream:
@@ -45,8 +72,8 @@ class FakeStream:
         self.log, self.ptr, self.capturing = log, ptr, False
 
     def record(self):
-        event = FakeEvent()
-        self.log.append(("record", self.ptr, event))
+        event = FakeEvent(self.log)
+        event.record(self)
         return event
 
     def wait_event(self, event):
@@ -93,6 +120,16 @@ class Log(list):
         return sum(1 for entry in self if entry[0] == kind)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_parameter_count(filename, name):
+    """Parameters of ``extern "C"`` kernel ``name`` in kernels_cu/<filename>, read from its source."""
+    from cupy_xattn import kernels
+    found = re.search(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+' + name + r"\s*\(([^)]*)\)",
+                      kernels.kernel_source(filename))
+    assert found, f"no kernel {name} in {filename}"
+    return len(found.group(1).split(","))
+
+
 @pytest.fixture
 def gpu(monkeypatch):
     """A fake CuPy, kernel loader and cuBLAS handle; returns the log of GPU work."""
@@ -120,7 +157,8 @@ def gpu(monkeypatch):
         memsetAsync=lambda ptr, value, size, stream: log.append(("memset", stream)))
     cuda = types.SimpleNamespace(
         Stream=lambda non_blocking=False: FakeStream(log, next(streams)), get_current_stream=get_current_stream,
-        Device=Device, runtime=runtime)
+        Event=lambda disable_timing=False: FakeEvent(log, disable_timing), Device=Device, runtime=runtime,
+        alloc=_alloc)
     fake = types.SimpleNamespace(
         ndarray=FakeArray, cuda=cuda, is_available=lambda: True, float16=numpy.float16, uint8=numpy.uint8,
         empty=lambda shape, dtype=numpy.float32: FakeArray(shape, dtype),
@@ -138,10 +176,12 @@ def gpu(monkeypatch):
         max_dynamic_shared_size_bytes = 0
         preferred_shared_memory_carveout = -1
 
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, filename, name):
+            self.name, self.n_params = name, _kernel_parameter_count(filename, name)
 
         def __call__(self, grid, block, args, shared_mem=0):
+            # A launch with the wrong argument count fails on a GPU (invalid argument or worse).
+            assert len(args) == self.n_params, f"{self.name}: {len(args)} arguments for {self.n_params} parameters"
             log.append(("kernel", self.name, get_current_stream().ptr))
 
     class FakeHandle:
@@ -154,7 +194,7 @@ def gpu(monkeypatch):
                 raise _cublas.CublasError("refused during capture")
             log.append(("gemm", args[-2]))  # batch count
 
-    monkeypatch.setattr(kernels, "get_kernel", lambda filename, name, defines=None: FakeKernel(name))
+    monkeypatch.setattr(kernels, "get_kernel", lambda filename, name, defines=None: FakeKernel(filename, name))
     monkeypatch.setattr(backward._cublas, "Handle", FakeHandle)
     monkeypatch.setattr(plans, "_cache", type(plans._cache)())
     log.null = null
@@ -174,8 +214,8 @@ def _run_counts(log, start=0):
 
 
 # Kernels: the attention and its dK|dV chunk reduction (70 rows = 2 query tiles, split in 2);
-# fp16 adds absmax, convert and alphas for each of its two groups of tensors.
-@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 10, 2), ("fp32", 10, 2), ("fp16", 11, 8)])
+# fp16 adds the copy, rescale and alphas kernels for each of its two groups of tensors.
+@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 10, 2), ("fp32", 10, 2), ("fp16", 10, 8)])
 def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms, kernels):
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2, precision=precision)
@@ -259,3 +299,73 @@ def test_misaligned_inputs_leave_the_fast_path(gpu):
     kwargs = dict(scale=None, num_heads=2, precision="tf32", backend="cupy", out=None)
     assert checks.fast_validate(tuple(inputs.values()), **kwargs) is not None
     assert checks.fast_validate(tuple(shifted.values()), **kwargs) is None
+
+
+def test_outputs_are_fresh_memory_every_call(gpu):
+    import cupy_xattn
+    plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
+    inputs = _inputs()
+    calls = [plan(**inputs) for _ in range(3)]
+    spans = sorted((o.data.ptr, o.data.ptr + o.nbytes) for out in calls for o in out)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two share a byte
+    assert all(o.shape == s for out in calls for o, s in zip(out, plan.output_shapes))
+    (program, _), = plan._programs.values()
+    assert {o.data.ptr for o in calls[-1]} <= set(int(x) for x in program._table._host)
+
+
+def test_calls_after_the_first_create_no_events(gpu):
+    import cupy_xattn
+    cupy = sys.modules["cupy"]
+    own = cupy_xattn.plan(1, 64, 77, hidden_size=128, num_heads=2, stream=cupy.cuda.Stream(non_blocking=True))
+    plain = cupy_xattn.plan(1, 64, 77, hidden_size=128, num_heads=2)
+    calls = [lambda: own(**_inputs(1, 64, 77)), lambda: plain(**_inputs(1, 64, 77)),
+             lambda: cupy_xattn.cross_attention_backward(**_inputs(1, 64, 77), num_heads=2)]
+    for call in calls:
+        call()
+    mark = len(gpu)
+    for call in calls * 2:
+        call()
+    assert _run_counts(gpu, mark)["graph"] == 6 and not any(e[0] == "new event" for e in gpu[mark:])
+
+
+def _last_record(log, event, before):
+    """(stream, position) of the last record of ``event`` in ``log`` before position ``before``."""
+    return next((entry[1], i) for i, entry in reversed(list(enumerate(log[:before])))
+                if entry[0] == "record" and entry[2] is event)
+
+
+def test_a_plan_without_a_stream_lets_its_last_replay_finish_before_another_stream_rewrites_the_table(gpu):
+    import cupy_xattn
+    cupy = sys.modules["cupy"]
+    plan = cupy_xattn.plan(1, 64, 77, hidden_size=128, num_heads=2)
+    plan(**_inputs(1, 64, 77))
+    plan(**_inputs(1, 64, 77))
+    replay = max(i for i, e in enumerate(gpu) if e == ("graph", 0))
+    other = cupy.cuda.Stream(non_blocking=True)
+    with other:
+        mark = len(gpu)
+        plan(**_inputs(1, 64, 77))
+    wait = next(i for i in range(mark, len(gpu)) if gpu[i][:2] == ("wait", other.ptr))
+    copy = next(i for i in range(mark, len(gpu)) if gpu[i][0] == "copy")
+    stream, recorded = _last_record(gpu, gpu[wait][2], wait)
+    assert stream == 0 and recorded > replay and wait < copy
+    mark = len(gpu)
+    with other:
+        plan(**_inputs(1, 64, 77))  # the same stream again: no wait
+    assert not any(e[0] == "wait" for e in gpu[mark:])
+
+
+def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(gpu):
+    from cupy_xattn import checks
+    from cupy_xattn.grads import INPUT_NAMES
+    inputs = _inputs()
+    arrays = tuple(inputs[name] for name in INPUT_NAMES)
+    out = [FakeArray(a.shape) for a in arrays[1:]]
+    kwargs = dict(scale=None, num_heads=2, precision="tf32", backend="cupy")
+    assert checks.fast_validate(arrays, **kwargs, out=out) is not None
+    twice = arrays[:7] + (arrays[5],) + arrays[8:]  # value_weight is key_weight
+    assert checks.fast_validate(twice, **kwargs, out=out) is not None
+    row_in = FakeArray((128, 128), ptr=inputs["key_weight"].data.ptr + 4 * 128)
+    assert checks.fast_validate(arrays, **kwargs, out=out[:4] + [row_in] + out[5:]) is None
+    assert checks.fast_validate(arrays, **kwargs, out=out[:6] + [out[4]] + out[7:]) is None
+    assert checks.fast_validate(twice, **kwargs, out=out[:6] + [out[4]] + out[7:]) is None
