@@ -67,6 +67,14 @@ class AttentionBackward:
     sm_count : multiprocessors of the GPU, for the grid.
     """
 
+    @staticmethod
+    def workspace_bytes(problem, sm_count):
+        """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one)."""
+        _, _, _, blocks_per_sm = kernel_choice(problem.num_text_tokens)
+        n_chunks, _ = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count,
+                               blocks_per_sm)
+        return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size if n_chunks > 1 else 0
+
     def __init__(self, problem, precision, sm_count):
         cupy = import_cupy()
         check_head_dim(problem)

@@ -121,6 +121,17 @@ class Backward:
         self._record(b, nv, nt, d)
         self._table.finalize()
 
+    @staticmethod
+    def memory_bytes(problem, precision, sm_count):
+        """GPU memory a Backward of this problem allocates: intermediates, fp16 copies, the
+        attention's dK/dV partials and the cuBLAS workspaces (small buffers aside)."""
+        b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
+        mv, mt = b * nv, b * nt
+        fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
+        fp16 = 2 * (4 * mv * d + 3 * mt * d + 4 * d * d) if precision == "fp16" else 0
+        return (fp32 + fp16 + AttentionBackward.workspace_bytes(problem, sm_count)
+                + _LANES * _cublas.Handle.WORKSPACE_BYTES)
+
     # -- recording ---------------------------------------------------------------------------
 
     def _gemm(self, a, b, c, *, m, n, k, lda, ldb, ldc, trans_a=False, trans_b=False,

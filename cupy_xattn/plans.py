@@ -135,8 +135,7 @@ class Plan:
                 # Allocated on the stream that runs it: CuPy's pool reuses a freed block only in the
                 # order of that stream, so an evicted recording cannot be overwritten mid-replay.
                 with stream:
-                    program = Backward(self._problem(scale), self.precision, self._capture_stream,
-                                       self._sm_count)
+                    program = self._record(scale)
             program.bind(addresses, stream)
             if graph is None:
                 graph = self._first_run(program, stream)
@@ -154,6 +153,24 @@ class Plan:
                 self._handoff.record(stream)
                 current.wait_event(self._handoff)
         return out
+
+    def _record(self, scale):
+        """A new recording (``Backward``) for ``scale``; out of GPU memory, a MemoryError that says
+        how much this shape needs. Whatever was allocated before the failure is freed with it."""
+        cupy = import_cupy()
+        problem = self._problem(scale)
+        try:
+            return Backward(problem, self.precision, self._capture_stream, self._sm_count)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            message = (f"cupy_xattn: not enough GPU memory for the backward of B={self.batch_size}, "
+                       f"Nv={self.num_video_tokens}, Nt={self.num_text_tokens}, D={self.hidden_size} "
+                       f"({self.precision}): it needs about "
+                       f"{_megabytes(Backward.memory_bytes(problem, self.precision, self._sm_count))} of "
+                       f"intermediates and workspace, plus {_megabytes(self._output_bytes)} for the "
+                       f"outputs unless out= is given ({exc})")
+        # Raised outside the handler: the error keeps no traceback of the half-built recording,
+        # whose buffers are freed now rather than when the caller drops the error.
+        raise MemoryError(message)
 
     def _run_direct(self, program, stream):
         """Issue the steps one by one on the plan's own stream, ordered after and before ``stream``."""
@@ -189,10 +206,18 @@ class Plan:
 
         ``cupy.ndarray`` over a pointer costs about half of a slice and a reshape of one array.
         """
-        memory = cupy.cuda.alloc(self._output_bytes)
+        try:
+            memory = cupy.cuda.alloc(self._output_bytes)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            raise MemoryError(f"cupy_xattn: not enough GPU memory for the 10 outputs "
+                              f"({_megabytes(self._output_bytes)}; pass out= to reuse buffers) ({exc})") from None
         out = CrossAttentionGrads._make([cupy.ndarray(shape, _FLOAT32, memory + offset)
                                          for shape, offset in self._output_layout])
         return out, [memory.ptr + offset for _, offset in self._output_layout]
+
+
+def _megabytes(n):
+    return f"{n / 2**20:,.1f} MiB ({n:,} bytes)"
 
 
 def _on_device(cupy, device):

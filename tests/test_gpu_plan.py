@@ -111,3 +111,28 @@ def test_single_video_row_plan_repeats_bitwise():
     inputs = _inputs(case, 10)
     first = p(**inputs)
     assert _equal(first, p(**{k: v.copy() for k, v in inputs.items()}))
+
+
+def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
+    import gc
+
+    import cupy
+    case = cases.Case(4, 1024, 77, atol=0.0)
+    inputs = _inputs(case, 3)
+    out = CrossAttentionGrads(*(cupy.empty_like(inputs[name.removeprefix("grad_")]) for name in CrossAttentionGrads._fields))
+    plan = cupy_xattn.plan(4, 1024, 77)
+    pool = cupy.get_default_memory_pool()
+    gc.collect()
+    pool.free_all_blocks()  # cached free blocks would otherwise serve the recording under the limit
+    used = pool.used_bytes()
+    pool.set_limit(size=pool.total_bytes() + (32 << 20))  # room for two of the 16 MiB intermediates
+    try:
+        with pytest.raises(MemoryError, match=r"the 10 outputs \(33\.2 MiB"):
+            plan(**inputs)  # the outputs are allocated first
+        with pytest.raises(MemoryError, match=r"B=4, Nv=1024, Nt=77, D=1024 \(tf32\): it needs about"):
+            plan(**inputs, out=out)
+    finally:
+        pool.set_limit(size=0)
+    assert pool.used_bytes() == used  # the half-built recording is gone
+    plan(**inputs, out=out)  # with memory again, the same plan works
+    assert all(bool(cupy.isfinite(o).all()) for o in out)

@@ -185,6 +185,8 @@ def gpu(monkeypatch):
             log.append(("kernel", self.name, get_current_stream().ptr))
 
     class FakeHandle:
+        WORKSPACE_BYTES = 0  # the fake allocates none
+
         def __init__(self, stream):
             self.stream = stream
 
@@ -369,3 +371,46 @@ def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(g
     assert checks.fast_validate(arrays, **kwargs, out=out[:4] + [row_in] + out[5:]) is None
     assert checks.fast_validate(arrays, **kwargs, out=out[:6] + [out[4]] + out[7:]) is None
     assert checks.fast_validate(twice, **kwargs, out=out[:6] + [out[4]] + out[7:]) is None
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200)])
+def test_memory_estimate_matches_what_a_recording_allocates(gpu, monkeypatch, shape, precision):
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    allocated, alloc = [], _alloc
+
+    def counting_alloc(nbytes):
+        allocated.append(nbytes)
+        return alloc(nbytes)
+    monkeypatch.setattr(sys.modules[__name__], "_alloc", counting_alloc)
+    problem = Problem(*shape, 256, 4, 64, 0.125)
+    backward.Backward(problem, precision, gpu.null, 132)
+    # The estimate leaves out buffers of a few KB (pointer table, constants, fp16 scale state).
+    assert abs(backward.Backward.memory_bytes(problem, precision, 132) - sum(allocated)) <= 16 << 10
+
+
+def test_out_of_gpu_memory_names_the_bytes_the_shape_needs(gpu, monkeypatch):
+    import cupy
+    import cupy_xattn
+
+    class OutOfMemoryError(MemoryError):
+        pass
+    monkeypatch.setattr(cupy.cuda, "memory", types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError), raising=False)
+    plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
+    inputs = _inputs()
+
+    def refuse(*args, **kwargs):
+        raise OutOfMemoryError("Out of memory allocating 71,680 bytes")
+    empty = cupy.empty
+    monkeypatch.setattr(cupy, "empty", refuse)
+    with pytest.raises(MemoryError, match=r"B=2, Nv=70, Nt=20, D=128 \(tf32\): it needs about .* MiB \([\d,]+ bytes\)") as err:
+        plan(**inputs)
+    assert err.value.__context__ is None  # nothing of the half-built recording stays referenced
+    assert not plan._programs
+    monkeypatch.setattr(cupy, "empty", empty)  # memory again: the same plan records and runs
+    out = plan(**inputs)
+    monkeypatch.setattr(cupy.cuda, "alloc", refuse)
+    with pytest.raises(MemoryError, match=r"the 10 outputs \(.* MiB \([\d,]+ bytes\); pass out="):
+        plan(**inputs)
+    plan(**inputs, out=out)  # with out=, nothing to allocate
