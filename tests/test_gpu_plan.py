@@ -80,6 +80,33 @@ def test_two_streams_and_two_threads():
     assert all(_equal(r, e) for r, e in zip(results, expected))
 
 
+def test_a_call_on_a_non_default_stream_does_not_synchronize_the_device():
+    # Another stream is kept busy for about a second; a call on our stream must neither wait for
+    # it on the host nor order its GPU work after it.
+    import cupy
+    case = cases.Case(2, 64, 77, atol=0.0)
+    inputs = _inputs(case, 4)
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        const long long start = clock64();
+        while (clock64() - start < cycles) {}
+    }""", "spin")
+    busy, ours = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with ours:
+        cupy_xattn.cross_attention_backward(**inputs)  # first call: recorded and captured
+    ours.synchronize()
+    with busy:
+        spin((1,), (1,), (numpy.int64(2_000_000_000),))
+    busy_done = busy.record()
+    with ours:
+        out = cupy_xattn.cross_attention_backward(**inputs)
+    ours_done = ours.record()
+    assert not busy_done.done
+    ours_done.synchronize()
+    assert not busy_done.done, "the call waited for another stream's work"
+    busy.synchronize()
+    assert all(bool(cupy.isfinite(o).all()) for o in out)
+
+
 def test_wrong_shape_on_a_plan_is_a_clear_error():
     p = cupy_xattn.plan(1, 64, 77)
     with pytest.raises(ValueError, match="this plan is for"):
