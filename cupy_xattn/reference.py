@@ -3,6 +3,9 @@
 Shapes: B batch, Nv video tokens, Nt text tokens, D hidden size = H heads x d head_dim.
 Weights are (out, in) and applied as ``x @ W.T + b``. Written for clarity, not speed;
 every function takes any B, Nv, Nt, H and d.
+
+``text_lengths`` (optional, ints [B], 1 ≤ length ≤ Nt): sample b attends to its first
+text_lengths[b] text tokens only; the padded ones get zero attention, hence zero gradients.
 """
 import math
 
@@ -32,8 +35,22 @@ def _resolve_scale(scale, hidden_size, num_heads):
     return 1.0 / math.sqrt(hidden_size // num_heads) if scale is None else float(scale)
 
 
-def attention_probabilities(queries, keys, scale, *, num_heads):
-    """P = softmax(scale * Q K^T) over the text tokens.
+def _padding_mask(text_lengths, batch_size, text_tokens):
+    """(B, 1, 1, Nt) True where a text token is padding, or None without lengths."""
+    if text_lengths is None:
+        return None
+    lengths = numpy.asarray(text_lengths)
+    if lengths.shape != (batch_size,) or lengths.dtype.kind not in "iu":
+        raise ValueError(f"text_lengths must be {batch_size} integers (one per sample); got "
+                         f"{lengths.dtype} array of shape {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > text_tokens:
+        raise ValueError(f"text_lengths must lie in [1, {text_tokens}] (the text tokens); got "
+                         f"{lengths.min()}..{lengths.max()}")
+    return (numpy.arange(text_tokens) >= lengths[:, None])[:, None, None, :]
+
+
+def attention_probabilities(queries, keys, scale, *, num_heads, text_lengths=None):
+    """P = softmax(scale * Q K^T) over the (unpadded) text tokens.
 
     Parameters
     ----------
@@ -42,20 +59,23 @@ def attention_probabilities(queries, keys, scale, *, num_heads):
 
     Returns
     -------
-    (B, H, Nv, Nt)
+    (B, H, Nv, Nt), zero on padded text tokens.
     """
     scores = scale * _split_heads(queries, num_heads) @ _split_heads(keys, num_heads).swapaxes(-1, -2)
+    padding = _padding_mask(text_lengths, *keys.shape[:2])
+    if padding is not None:
+        scores = numpy.where(padding, -numpy.inf, scores)
     probabilities = numpy.exp(scores - scores.max(axis=-1, keepdims=True))
     return probabilities / probabilities.sum(axis=-1, keepdims=True)
 
 
-def attention(queries, keys, values, scale, *, num_heads):
+def attention(queries, keys, values, scale, *, num_heads, text_lengths=None):
     """O = P V with heads merged: (B, Nv, D) from Q (B, Nv, D), K and V (B, Nt, D)."""
-    probabilities = attention_probabilities(queries, keys, scale, num_heads=num_heads)
+    probabilities = attention_probabilities(queries, keys, scale, num_heads=num_heads, text_lengths=text_lengths)
     return _merge_heads(probabilities @ _split_heads(values, num_heads))
 
 
-def attention_backward(grad_attention_output, queries, keys, values, scale, *, num_heads):
+def attention_backward(grad_attention_output, queries, keys, values, scale, *, num_heads, text_lengths=None):
     """Gradients of the attention O = softmax(scale Q K^T) V with respect to Q, K and V.
 
     Parameters
@@ -69,8 +89,9 @@ def attention_backward(grad_attention_output, queries, keys, values, scale, *, n
     -------
     grad_queries : (B, Nv, D)
     grad_keys, grad_values : (B, Nt, D)
+        Zero on padded text tokens.
     """
-    probabilities = attention_probabilities(queries, keys, scale, num_heads=num_heads)
+    probabilities = attention_probabilities(queries, keys, scale, num_heads=num_heads, text_lengths=text_lengths)
     grad_heads = _split_heads(grad_attention_output, num_heads)
     grad_values = probabilities.swapaxes(-1, -2) @ grad_heads
     grad_probabilities = grad_heads @ _split_heads(values, num_heads).swapaxes(-1, -2)
@@ -82,7 +103,7 @@ def attention_backward(grad_attention_output, queries, keys, values, scale, *, n
 
 
 def forward(video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
-            value_weight, value_bias, output_weight, output_bias, scale=None, *, num_heads):
+            value_weight, value_bias, output_weight, output_bias, scale=None, *, num_heads, text_lengths=None):
     """Y = attention(X Wq^T + bq, T Wk^T + bk, T Wv^T + bv) Wo^T + bo, in float64.
 
     Parameters
@@ -94,6 +115,8 @@ def forward(video_latents, text_embeddings, query_weight, query_bias, key_weight
     scale : float, optional
         Defaults to 1/sqrt(D / num_heads).
     num_heads : int
+    text_lengths : (B,) ints, optional
+        Unpadded text tokens per sample (see the module's docstring).
 
     Returns
     -------
@@ -103,12 +126,13 @@ def forward(video_latents, text_embeddings, query_weight, query_bias, key_weight
         video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
         value_weight, value_bias, output_weight, output_bias))
     scale = _resolve_scale(scale, X.shape[-1], num_heads)
-    O = attention(X @ Wq.T + bq, T @ Wk.T + bk, T @ Wv.T + bv, scale, num_heads=num_heads)
+    O = attention(X @ Wq.T + bq, T @ Wk.T + bk, T @ Wv.T + bv, scale, num_heads=num_heads, text_lengths=text_lengths)
     return O @ Wo.T + bo
 
 
 def backward(grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
-             key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *, num_heads):
+             key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *, num_heads,
+             text_lengths=None):
     """The 10 gradients of ``forward`` given dY = ``grad_output`` (B, Nv, D), in float64.
 
     Other parameters as in ``forward``. Nothing is saved from a forward pass: Q, K, V, P and O
@@ -124,9 +148,9 @@ def backward(grad_output, video_latents, text_embeddings, query_weight, query_bi
         key_bias, value_weight, value_bias, output_weight, output_bias))
     scale = _resolve_scale(scale, X.shape[-1], num_heads)
     Q, K, V = X @ Wq.T + bq, T @ Wk.T + bk, T @ Wv.T + bv
-    O = attention(Q, K, V, scale, num_heads=num_heads)
+    O = attention(Q, K, V, scale, num_heads=num_heads, text_lengths=text_lengths)
     dO = dY @ Wo
-    dQ, dK, dV = attention_backward(dO, Q, K, V, scale, num_heads=num_heads)
+    dQ, dK, dV = attention_backward(dO, Q, K, V, scale, num_heads=num_heads, text_lengths=text_lengths)
     return CrossAttentionGrads(
         grad_video_latents=dQ @ Wq,
         grad_text_embeddings=dK @ Wk + dV @ Wv,

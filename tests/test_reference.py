@@ -98,3 +98,63 @@ def test_inputs_are_not_modified_and_float32_is_accepted():
     assert all(g.dtype == numpy.float64 for g in grads)
     for name, a in inputs.items():
         numpy.testing.assert_array_equal(a, before[name], err_msg=name)
+
+
+def test_text_padding_gradients_match_central_differences():
+    inputs = _inputs(2, 3, 4, 8, seed=4)
+    G = inputs["grad_output"]
+    params = [inputs[name] for name in INPUT_NAMES[1:]]
+    lengths = numpy.array([2, 4])
+
+    def loss():
+        return numpy.sum(reference.forward(*params, 0.6, num_heads=2, text_lengths=lengths) * G)
+
+    grads = reference.backward(G, *params, 0.6, num_heads=2, text_lengths=lengths)
+    step = 1e-6
+    for name, param, grad in zip(CrossAttentionGrads._fields, params, grads):
+        numeric = numpy.empty_like(param)
+        for index in numpy.ndindex(param.shape):
+            saved = param[index]
+            param[index] = saved + step
+            plus = loss()
+            param[index] = saved - step
+            minus = loss()
+            param[index] = saved
+            numeric[index] = (plus - minus) / (2 * step)
+        numpy.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+PARAMETER_GRADS = ("grad_query_weight", "grad_key_weight", "grad_value_weight", "grad_output_weight",
+                   "grad_query_bias", "grad_value_bias", "grad_output_bias")
+
+
+def test_text_padding_equals_the_truncated_texts():
+    # Sample b with length L gives what its first L text tokens alone give; the padded tokens'
+    # gradients are exactly zero, and the weight gradients sum the samples' own.
+    inputs = _inputs(3, 4, 5, 12, seed=5)
+    lengths = numpy.array([5, 1, 3])
+    grads = reference.backward(*inputs.values(), num_heads=3, text_lengths=lengths)
+    Y = reference.forward(*list(inputs.values())[1:], num_heads=3, text_lengths=lengths)
+    summed = None
+    for b, length in enumerate(lengths):
+        alone = dict(inputs, grad_output=inputs["grad_output"][b:b + 1], video_latents=inputs["video_latents"][b:b + 1],
+                     text_embeddings=inputs["text_embeddings"][b:b + 1, :length])
+        g = reference.backward(*alone.values(), num_heads=3)
+        numpy.testing.assert_allclose(Y[b:b + 1], reference.forward(*list(alone.values())[1:], num_heads=3),
+                                      rtol=1e-12, atol=1e-12)
+        numpy.testing.assert_allclose(grads.grad_video_latents[b], g.grad_video_latents[0], rtol=1e-12, atol=1e-12)
+        numpy.testing.assert_allclose(grads.grad_text_embeddings[b, :length], g.grad_text_embeddings[0],
+                                      rtol=1e-12, atol=1e-12)
+        assert not grads.grad_text_embeddings[b, length:].any()
+        parameters = {name: getattr(g, name) for name in PARAMETER_GRADS}
+        summed = parameters if summed is None else {name: summed[name] + parameters[name] for name in PARAMETER_GRADS}
+    for name in PARAMETER_GRADS:
+        numpy.testing.assert_allclose(getattr(grads, name), summed[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("lengths, message", [([0, 2], r"\[1, 4\]"), ([5, 2], r"\[1, 4\]"),
+                                              ([2], "2 integers"), ([1.5, 2.0], "2 integers")])
+def test_text_lengths_out_of_range_are_refused(lengths, message):
+    inputs = _inputs(2, 3, 4, 8)
+    with pytest.raises(ValueError, match=message):
+        reference.backward(*inputs.values(), num_heads=2, text_lengths=numpy.array(lengths))
