@@ -24,7 +24,7 @@ def _padded(n, multiple):
     return -(-n // multiple) * multiple
 
 
-def kernel_choice(num_text_tokens):
+def kernel_choice(num_text_tokens, precision):
     """(kernel name, ATTN_KEYS, shared-memory bytes, blocks per SM that fit) for this text length.
 
     Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
@@ -36,7 +36,7 @@ def kernel_choice(num_text_tokens):
         smem = 4 * (2 * keys * (HEAD_DIM + 8) + 2 * BLOCK_Q * (HEAD_DIM + 8) + BLOCK_Q * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, smem, 2
     smem = 4 * (2 * BLOCK_Q * (HEAD_DIM + 8) + 2 * BLOCK_KV * (HEAD_DIM + 8) + BLOCK_Q * (BLOCK_KV + 8))
-    return "attn_bwd", 0, smem, 3
+    return "attn_bwd", 0, smem, 2 if precision == "fp32" else 3  # ATTN_MIN_BLOCKS in the source
 
 
 def check_head_dim(problem):
@@ -68,9 +68,9 @@ class AttentionBackward:
     """
 
     @staticmethod
-    def workspace_bytes(problem, sm_count):
+    def workspace_bytes(problem, precision, sm_count):
         """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one)."""
-        _, _, _, blocks_per_sm = kernel_choice(problem.num_text_tokens)
+        _, _, _, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
         n_chunks, _ = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count,
                                blocks_per_sm)
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size if n_chunks > 1 else 0
@@ -79,7 +79,7 @@ class AttentionBackward:
         cupy = import_cupy()
         check_head_dim(problem)
         self.problem = problem
-        name, keys, self._smem_bytes, blocks_per_sm = kernel_choice(problem.num_text_tokens)
+        name, keys, self._smem_bytes, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
         self.n_chunks, self.tiles_per_chunk = chunking(problem.batch_size, problem.num_heads,
                                                        problem.num_video_tokens, sm_count, blocks_per_sm)
         defines = {"ATTN_BLOCK_Q": BLOCK_Q, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,

@@ -114,6 +114,7 @@ class Backward:
         self._lanes = [stream] + [cupy.cuda.Stream(non_blocking=True) for _ in range(_LANES - 1)]
         self._handles = [_cublas.Handle(lane) for lane in self._lanes]
         self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(_LANES)]
+        self._join_lanes = _lane_join(self._lanes, self._events[1:])
         self._table = PointerTable()
         self._steps = []
         self._compute = COMPUTE_TYPE[precision]
@@ -129,7 +130,7 @@ class Backward:
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = 2 * (4 * mv * d + 3 * mt * d + 4 * d * d) if precision == "fp16" else 0
-        return (fp32 + fp16 + AttentionBackward.workspace_bytes(problem, sm_count)
+        return (fp32 + fp16 + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
     # -- recording ---------------------------------------------------------------------------
@@ -164,13 +165,7 @@ class Backward:
 
     def _join(self):
         """Record: the main lane waits for everything issued so far on the side lanes."""
-        main, sides, events = self._lanes[0], self._lanes[1:], self._events[1:]
-
-        def join():
-            for side, event in zip(sides, events):
-                event.record(side)
-                main.wait_event(event)
-        self._steps.append(("join", join, 0))
+        self._steps.append(("join", self._join_lanes, 0))
 
     def _gemm_group(self, members, **shape):
         """Record GEMMs of one shape, ``members`` = [(a, b, c, alpha)]: one batched call when
@@ -280,10 +275,27 @@ class Backward:
         ``timer(label, stream, step)``, if given, issues each step instead (e.g. between two
         events recorded on ``stream``, the step's lane).
         """
-        for label, step, lane in self._steps:
-            stream = self._lanes[lane]
-            with stream:
-                if timer is None:
-                    step()
-                else:
-                    timer(label, stream, step)
+        try:
+            for label, step, lane in self._steps:
+                stream = self._lanes[lane]
+                with stream:
+                    if timer is None:
+                        step()
+                    else:
+                        timer(label, stream, step)
+        except BaseException:
+            # A step failed: the main lane still waits for what the side lanes were given, so that
+            # whoever orders itself after the main lane (and reuses these buffers) is after it too.
+            self._join_lanes()
+            raise
+
+
+def _lane_join(lanes, events):
+    """A function that makes the main lane wait for everything issued so far on the side lanes."""
+    main, sides = lanes[0], lanes[1:]
+
+    def join():
+        for side, event in zip(sides, events):
+            event.record(side)
+            main.wait_event(event)
+    return join

@@ -29,6 +29,9 @@ CACHE_SIZE = 8
 #: scales one plan keeps a recording and graph for (the scale is baked into the attention launch).
 SCALES_PER_PLAN = 2
 _UNCAPTURED = "uncaptured"  # the graph slot of a plan that cuBLAS would not let us capture
+# cudaErrorStreamCaptureUnsupported, cudaErrorStreamCaptureInvalidated: what a library call that
+# may not be captured leaves at the end of the capture.
+_CAPTURE_REFUSED = (900, 901)
 _FLOAT32 = numpy.dtype(numpy.float32)  # cupy.ndarray takes a dtype object faster than numpy.float32
 
 
@@ -176,16 +179,21 @@ class Plan:
         """Issue the steps one by one on the plan's own stream, ordered after and before ``stream``."""
         self._handoff.record(stream)
         self._capture_stream.wait_event(self._handoff)
-        program.run()
-        self._handoff.record(self._capture_stream)
-        stream.wait_event(self._handoff)
+        try:
+            program.run()
+        finally:
+            # Also when a step fails: the recording is dropped then, and its buffers go back to the
+            # pool in ``stream``'s order, so ``stream`` must wait for the work already issued.
+            self._handoff.record(self._capture_stream)
+            stream.wait_event(self._handoff)
 
     def _first_run(self, program, stream):
         """Run the steps directly (loading every kernel and cuBLAS's), then capture them.
 
         cuBLAS refuses capture for some degenerate shapes (seen on the H200: B·Nv = 1 with TF32,
         where it takes another path for a single row); such a plan stays uncaptured and issues
-        its steps on every call instead, with the same results.
+        its steps on every call instead, with the same results. Any other error (out of memory,
+        a capture left unjoined) is raised, not taken for a refusal.
         """
         from cupy_backends.cuda.api.runtime import CUDARuntimeError
         from ._cublas import CublasError
@@ -197,7 +205,11 @@ class Plan:
                 program.run()
             finally:
                 graph = self._capture_stream.end_capture()
-        except (CUDARuntimeError, CublasError):
+        except CublasError:
+            return _UNCAPTURED
+        except CUDARuntimeError as exc:
+            if exc.status not in _CAPTURE_REFUSED:
+                raise
             return _UNCAPTURED
         return graph
 

@@ -41,8 +41,10 @@
 #endif
 
 #define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
-// Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes both the [row g][col t]
-// and the [row t][col g] fragment reads of one warp hit 32 different banks.
+// Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes the [row t][col g] fragment
+// reads of a warp (load_b, load_a_trans) hit 32 different banks; the [row g][col t] reads
+// (load_a, load_b_trans) are then 2-way conflicts (rows g and g + 4 share banks). No stride serves
+// both orders: fragment-ordered layouts (or ldmatrix) would.
 #define LD_HD (ATTN_HEAD_DIM + 8)
 #define LD_KV (ATTN_BLOCK_KV + 8)
 
@@ -537,7 +539,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // softmax of a whole row is in registers (no second pass, no log-sum-exp), and the block's dK
 // and dV accumulate in registers over its query tiles, stored once at the end.
 // Shared memory: 2 (K, V) + 2 (Q, dO) row tiles and P/dS; two blocks per SM for ≤ 80 keys.
-// The P/dS stride is ≡ 8 (mod 32) floats, conflict-free for both fragment orders (see LD_HD).
+// The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts).
 #define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
 static_assert(ATTN_KEYS % 16 == 0, "the resident keys are whole 16-row mma tiles");
 

@@ -86,7 +86,7 @@ class FakeStream:
         self.capturing = False
         if self.log.invalidated:
             self.log.invalidated = False
-            raise FakeRuntimeError("cudaErrorStreamCaptureInvalidated")
+            raise FakeRuntimeError(901)  # cudaErrorStreamCaptureInvalidated
         return FakeGraph(self.log)
 
     def __enter__(self):
@@ -106,7 +106,9 @@ class FakeGraph:
 
 
 class FakeRuntimeError(RuntimeError):
-    pass
+    def __init__(self, status):
+        super().__init__(f"CUDA error {status}")
+        self.status = status
 
 
 class Log(list):
@@ -115,6 +117,7 @@ class Log(list):
     def __init__(self):
         super().__init__()
         self.current, self.invalidated, self.device, self.refuse_in_capture = [], False, 0, False
+        self.fail_on_stream = None  # a stream pointer whose next GEMM fails
 
     def count(self, kind):
         return sum(1 for entry in self if entry[0] == kind)
@@ -194,7 +197,9 @@ def gpu(monkeypatch):
             if log.refuse_in_capture and self.stream.capturing:
                 log.invalidated = True
                 raise _cublas.CublasError("refused during capture")
-            log.append(("gemm", args[-2]))  # batch count
+            if self.stream.ptr == log.fail_on_stream:
+                raise _cublas.CublasError("failed on purpose")
+            log.append(("gemm", args[-2], self.stream.ptr))  # batch count, stream
 
     monkeypatch.setattr(kernels, "get_kernel", lambda filename, name, defines=None: FakeKernel(filename, name))
     monkeypatch.setattr(backward._cublas, "Handle", FakeHandle)
@@ -414,3 +419,72 @@ def test_out_of_gpu_memory_names_the_bytes_the_shape_needs(gpu, monkeypatch):
     with pytest.raises(MemoryError, match=r"the 10 outputs \(.* MiB \([\d,]+ bytes\); pass out="):
         plan(**inputs)
     plan(**inputs, out=out)  # with out=, nothing to allocate
+
+
+def _lane_run(gpu, program):
+    """The log of one direct run of ``program``, and its (main, side, side) stream pointers."""
+    mark = len(gpu)
+    program.run()
+    return gpu[mark:], [lane.ptr for lane in program._lanes]
+
+
+def _waits_for(entries, waiter, recorder):
+    """Indices at which stream ``waiter`` waits for an event last recorded on ``recorder``."""
+    recorded_on, found = {}, []
+    for i, entry in enumerate(entries):
+        if entry[0] == "record":
+            recorded_on[id(entry[2])] = entry[1]
+        elif entry[0] == "wait" and entry[1] == waiter and recorded_on.get(id(entry[2])) == recorder:
+            found.append(i)
+    return found
+
+
+def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
+    import cupy_xattn
+    plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
+    plan(**_inputs())
+    (program, _), = plan._programs.values()
+    entries, (main, side1, side2) = _lane_run(gpu, program)
+    gemm_streams = [e[2] for e in entries if e[0] == "gemm"]
+    assert gemm_streams[:3] == [main, side1, side2]  # Q0, K0|V0, dO side by side
+    assert set(gemm_streams[3:]) == {main, side1, side2}
+    attention = next(i for i, e in enumerate(entries) if e[:2] == ("kernel", "attn_bwd_resident"))
+    assert entries[attention][2] == main
+    for side in (side1, side2):
+        waits = _waits_for(entries, main, side)
+        assert waits and waits[0] < attention  # the attention waits for K0|V0 and dO
+        assert waits[-1] > max(i for i, e in enumerate(entries) if e[0] == "gemm")  # joined at the end
+        forked = _waits_for(entries, side, main)
+        assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
+
+
+def test_a_failed_step_still_joins_the_lanes_and_orders_the_callers_stream(gpu):
+    import cupy_xattn
+    from cupy_xattn import _cublas
+    plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
+    inputs = _inputs()
+    plan(**inputs)
+    (program, _), = plan._programs.values()
+    main, side1, side2 = (lane.ptr for lane in program._lanes)
+    gpu.fail_on_stream = side2
+    mark = len(gpu)
+    with pytest.raises(_cublas.CublasError):
+        plan._run_direct(program, gpu.null)
+    entries = gpu[mark:]
+    failed_at = len(entries)  # everything logged happened before or while unwinding
+    assert _waits_for(entries, main, side1) and _waits_for(entries, main, side2)
+    assert _waits_for(entries, gpu.null.ptr, main)[-1] < failed_at  # the caller's stream waits last
+
+
+def test_only_capture_refusals_leave_a_plan_uncaptured(gpu, monkeypatch):
+    import cupy
+    import cupy_xattn
+    plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
+
+    def end_capture_out_of_memory(self):
+        self.capturing = False
+        raise FakeRuntimeError(2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(FakeStream, "end_capture", end_capture_out_of_memory)
+    with pytest.raises(FakeRuntimeError):
+        plan(**_inputs())
+    assert not plan._programs  # nothing marked uncaptured: the next call tries again
