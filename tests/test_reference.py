@@ -48,20 +48,9 @@ def test_default_scale_is_one_over_sqrt_head_dim():
                                   reference.forward(*args, 0.5, num_heads=2), rtol=1e-15)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_every_gradient_matches_central_differences(shape):
-    """loss = sum(Y * G) with a random G, so dloss/dY = G is the grad_output."""
-    *sizes, num_heads = shape
-    inputs = _inputs(*sizes, seed=1)
-    G = inputs["grad_output"]
-    params = [inputs[name] for name in INPUT_NAMES[1:]]
-    scale = 0.6
-
-    def loss():
-        return numpy.sum(reference.forward(*params, scale, num_heads=num_heads) * G)
-
-    grads = reference.backward(G, *params, scale, num_heads=num_heads)
-    step = 1e-6
+def _check_against_central_differences(grads, params, loss, step=1e-6):
+    """Each gradient against (loss(p + step) − loss(p − step)) / 2·step, element by element
+    (``loss`` reads ``params``, which are perturbed in place and restored)."""
     for name, param, grad in zip(CrossAttentionGrads._fields, params, grads):
         assert grad.shape == param.shape and grad.dtype == numpy.float64, name
         numeric = numpy.empty_like(param)
@@ -74,6 +63,21 @@ def test_every_gradient_matches_central_differences(shape):
             param[index] = saved
             numeric[index] = (plus - minus) / (2 * step)
         numpy.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_gradient_matches_central_differences(shape):
+    """loss = sum(Y * G) with a random G, so dloss/dY = G is the grad_output."""
+    *sizes, num_heads = shape
+    inputs = _inputs(*sizes, seed=1)
+    G = inputs["grad_output"]
+    params = [inputs[name] for name in INPUT_NAMES[1:]]
+    scale = 0.6
+
+    def loss():
+        return numpy.sum(reference.forward(*params, scale, num_heads=num_heads) * G)
+
+    _check_against_central_differences(reference.backward(G, *params, scale, num_heads=num_heads), params, loss)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -109,19 +113,8 @@ def test_text_padding_gradients_match_central_differences():
     def loss():
         return numpy.sum(reference.forward(*params, 0.6, num_heads=2, text_lengths=lengths) * G)
 
-    grads = reference.backward(G, *params, 0.6, num_heads=2, text_lengths=lengths)
-    step = 1e-6
-    for name, param, grad in zip(CrossAttentionGrads._fields, params, grads):
-        numeric = numpy.empty_like(param)
-        for index in numpy.ndindex(param.shape):
-            saved = param[index]
-            param[index] = saved + step
-            plus = loss()
-            param[index] = saved - step
-            minus = loss()
-            param[index] = saved
-            numeric[index] = (plus - minus) / (2 * step)
-        numpy.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=name)
+    _check_against_central_differences(reference.backward(G, *params, 0.6, num_heads=2, text_lengths=lengths),
+                                       params, loss)
 
 
 PARAMETER_GRADS = ("grad_query_weight", "grad_key_weight", "grad_value_weight", "grad_output_weight",
