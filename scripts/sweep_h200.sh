@@ -35,7 +35,7 @@ cp "$json" benchmarks/h200-latest.json
 
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
     mkdir -p "$OUT/benchmarks"
-    cp "$json" benchmarks/h200-latest.json "$OUT/benchmarks/"
+    cp benchmarks/h200-latest.json "$OUT/benchmarks/"  # one JSON: the device tool returns few files
     cp BENCHMARKS.md "$OUT/"
     echo "copied the JSON and BENCHMARKS.md to $OUT" >&2
 fi
