@@ -57,6 +57,13 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm):
     return -(-n_q_tiles // tiles_per_chunk), tiles_per_chunk
 
 
+def launch_layout(problem, precision, sm_count):
+    """(kernel name, ATTN_KEYS, shared-memory bytes, n_chunks, tiles_per_chunk) for ``problem``."""
+    name, keys, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
+    return (name, keys, smem, *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
+                                        sm_count, blocks_per_sm))
+
+
 class AttentionBackward:
     """S → P → O, dP, dS → dQ, dK, dV for every (batch, head) of one problem size.
 
@@ -70,18 +77,15 @@ class AttentionBackward:
     @staticmethod
     def workspace_bytes(problem, precision, sm_count):
         """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one)."""
-        _, _, _, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
-        n_chunks, _ = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count,
-                               blocks_per_sm)
+        n_chunks = launch_layout(problem, precision, sm_count)[3]
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size if n_chunks > 1 else 0
 
     def __init__(self, problem, precision, sm_count):
         cupy = import_cupy()
         check_head_dim(problem)
         self.problem = problem
-        name, keys, self._smem_bytes, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
-        self.n_chunks, self.tiles_per_chunk = chunking(problem.batch_size, problem.num_heads,
-                                                       problem.num_video_tokens, sm_count, blocks_per_sm)
+        name, keys, self._smem_bytes, self.n_chunks, self.tiles_per_chunk = launch_layout(problem, precision,
+                                                                                           sm_count)
         defines = {"ATTN_BLOCK_Q": BLOCK_Q, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys}
         self._main = kernels.get_kernel(SOURCE, name, defines)

@@ -114,6 +114,7 @@ class Backward:
         self._lanes = [stream] + [cupy.cuda.Stream(non_blocking=True) for _ in range(_LANES - 1)]
         self._handles = [_cublas.Handle(lane) for lane in self._lanes]
         self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(_LANES)]
+        self._fork_lanes = _lane_fork(self._lanes, self._events[0])
         self._join_lanes = _lane_join(self._lanes, self._events[1:])
         self._table = PointerTable()
         self._steps = []
@@ -155,13 +156,7 @@ class Backward:
 
     def _fork(self):
         """Record: the side lanes wait for everything issued so far on the main lane."""
-        main, sides, event = self._lanes[0], self._lanes[1:], self._events[0]
-
-        def fork():
-            event.record(main)
-            for side in sides:
-                side.wait_event(event)
-        self._steps.append(("fork", fork, 0))
+        self._steps.append(("fork", self._fork_lanes, 0))
 
     def _join(self):
         """Record: the main lane waits for everything issued so far on the side lanes."""
@@ -288,6 +283,17 @@ class Backward:
             # whoever orders itself after the main lane (and reuses these buffers) is after it too.
             self._join_lanes()
             raise
+
+
+def _lane_fork(lanes, event):
+    """A function that makes the side lanes wait for everything issued so far on the main lane."""
+    main, sides = lanes[0], lanes[1:]
+
+    def fork():
+        event.record(main)
+        for side in sides:
+            side.wait_event(event)
+    return fork
 
 
 def _lane_join(lanes, events):

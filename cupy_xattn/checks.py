@@ -162,7 +162,7 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     device = x.data.device_id
     if device != cupy.cuda.runtime.getDevice():  # the plan cache is per current device
         return None
-    input_shapes, output_shapes, nbytes = _layout(b, nv, nt, d)
+    input_shapes, output_shapes, nbytes = layout(b, nv, nt, d)
     # The kernels read inputs 16 bytes at a time; cuBLAS writes the outputs, any float32 alignment.
     addresses = _addresses(inputs, input_shapes, ndarray, device, INPUT_ALIGNMENT)
     if addresses is None:
@@ -194,8 +194,8 @@ def _addresses(arrays, shapes, ndarray, device, alignment):
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(b, nv, nt, d):
-    """(input shapes, output shapes, byte sizes of inputs then outputs) for fast_validate."""
+def layout(b, nv, nt, d):
+    """(input shapes, output shapes, byte sizes of inputs then outputs), float32, in argument order."""
     dims = {"B": b, "Nv": nv, "Nt": nt, "D": d}
     shapes = tuple(tuple(dims[s] for s in INPUT_SHAPES[name]) for name in INPUT_NAMES)
     return shapes, shapes[1:], tuple(_FLOAT32.itemsize * math.prod(s) for s in shapes + shapes[1:])

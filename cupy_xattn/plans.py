@@ -21,8 +21,8 @@ import numpy
 from ._cupy import import_cupy, require_gpu
 from .backward import Backward
 from . import checks
-from .checks import INPUT_SHAPES, PRECISIONS, Problem
-from .grads import INPUT_NAMES, CrossAttentionGrads
+from .checks import PRECISIONS, Problem
+from .grads import CrossAttentionGrads
 
 #: plans kept by ``cross_attention_backward`` (each holds its intermediates on the GPU).
 CACHE_SIZE = 8
@@ -62,12 +62,10 @@ class Plan:
         self.head_dim = hidden_size // num_heads
         self.stream = stream
         self.device = cupy.cuda.Device().id
-        b, nv, nt, d = batch_size, num_video_tokens, num_text_tokens, hidden_size
-        dims = {"B": b, "Nv": nv, "Nt": nt, "D": d}
-        self.input_shapes = tuple(tuple(dims[s] for s in INPUT_SHAPES[name]) for name in INPUT_NAMES)
-        self.output_shapes = self.input_shapes[1:]
+        self.input_shapes, self.output_shapes, nbytes = checks.layout(batch_size, num_video_tokens,
+                                                                      num_text_tokens, hidden_size)
         self._sizes = (batch_size, num_video_tokens, num_text_tokens, hidden_size, num_heads)
-        offsets = numpy.cumsum([0] + [_FLOAT32.itemsize * math.prod(s) for s in self.output_shapes]).tolist()
+        offsets = numpy.cumsum((0,) + nbytes[len(self.input_shapes):]).tolist()
         self._output_bytes = offsets[-1]
         self._output_layout = tuple(zip(self.output_shapes, offsets))  # (shape, byte offset) of each output
         self._sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
@@ -100,16 +98,11 @@ class Plan:
             raise ValueError(f"this plan computes num_heads={self.num_heads}, precision={self.precision!r} on "
                              f"backend 'cupy'; got num_heads={num_heads!r}, precision={precision!r}, "
                              f"backend={backend!r}")
-        arrays = (grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
-                  value_weight, value_bias, output_weight, output_bias)
-        problem = checks.fast_validate(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
-                                       backend=backend, out=out)
-        if problem is not None and self.matches(problem[0], self.precision):
-            problem, addresses = problem
-            return self.launch(arrays, problem.scale, None if out is None else CrossAttentionGrads(*out), addresses)
-        from . import api  # full validation, conversion and copies back, as for any call
-        return api.run(arrays, scale=scale, num_heads=self.num_heads, precision=self.precision,
-                       backend="cupy", out=out, plan=self)
+        from . import api  # the same checks, fast path and conversions as any call, on this plan
+        return api.run((grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
+                        key_bias, value_weight, value_bias, output_weight, output_bias),
+                       scale=scale, num_heads=self.num_heads, precision=self.precision, backend="cupy", out=out,
+                       plan=self)
 
     def launch(self, inputs, scale, out=None, addresses=None):
         """Run on validated C-contiguous float32 CuPy ``inputs``; fills ``out`` or fresh arrays.
@@ -128,8 +121,7 @@ class Plan:
         stream = self.stream or current
         with self._lock, _on_device(cupy, self.device):
             if stream.ptr != current.ptr:  # a plan with its own stream: after the caller's work, and before it
-                self._handoff.record(current)
-                stream.wait_event(self._handoff)
+                self._wait(stream, current)
             if self._last_stream not in (None, stream.ptr):
                 # The pointer table is rewritten below: let the last replay (another stream) finish reading it.
                 stream.wait_event(self._done)
@@ -153,9 +145,13 @@ class Plan:
                 self._done.record(stream)
                 self._last_stream = stream.ptr
             if stream.ptr != current.ptr:
-                self._handoff.record(stream)
-                current.wait_event(self._handoff)
+                self._wait(current, stream)
         return out
+
+    def _wait(self, waiter, producer):
+        """Order ``waiter`` after the work issued so far on ``producer``."""
+        self._handoff.record(producer)
+        waiter.wait_event(self._handoff)
 
     def _record(self, scale):
         """A new recording (``Backward``) for ``scale``; out of GPU memory, a MemoryError that says
@@ -177,15 +173,13 @@ class Plan:
 
     def _run_direct(self, program, stream):
         """Issue the steps one by one on the plan's own stream, ordered after and before ``stream``."""
-        self._handoff.record(stream)
-        self._capture_stream.wait_event(self._handoff)
+        self._wait(self._capture_stream, stream)
         try:
             program.run()
         finally:
             # Also when a step fails: the recording is dropped then, and its buffers go back to the
             # pool in ``stream``'s order, so ``stream`` must wait for the work already issued.
-            self._handoff.record(self._capture_stream)
-            stream.wait_event(self._handoff)
+            self._wait(stream, self._capture_stream)
 
     def _first_run(self, program, stream):
         """Run the steps directly (loading every kernel and cuBLAS's), then capture them.
