@@ -10,13 +10,15 @@ from . import kernels
 from ._cupy import import_cupy
 
 SOURCE = "attention_bwd.cu"
-BLOCK_Q = 64          # query rows per tile (4 warps of 16 rows)
+BLOCK_Q = 64          # query rows per tile of attn_bwd (4 warps of 16 rows)
 BLOCK_KV = 32         # keys per streamed tile (attn_bwd)
+#: query rows per tile of attn_bwd_resident: 64 (4 warps, two blocks per SM) or 128 (8 warps,
+#: one block per SM, half the dK/dV accumulators per warp)
+RESIDENT_BLOCK_Q = 64
 HEAD_DIM = 64
 #: up to this many text tokens, attn_bwd_resident keeps all keys and values in shared memory
 #: and takes one pass per query tile; longer texts are streamed by attn_bwd in two passes.
 RESIDENT_MAX_KEYS = 80
-_THREADS = BLOCK_Q // 16 * 32
 _REDUCE_THREADS = 256
 
 
@@ -25,18 +27,19 @@ def _padded(n, multiple):
 
 
 def kernel_choice(num_text_tokens, precision):
-    """(kernel name, ATTN_KEYS, shared-memory bytes, blocks per SM that fit) for this text length.
+    """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
+    for this text length.
 
     Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
     the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
     (batch, head) pair: each extra chunk costs a dK/dV partial to reduce.
     """
     if num_text_tokens <= RESIDENT_MAX_KEYS:
-        keys = _padded(num_text_tokens, 16)
-        smem = 4 * (2 * keys * (HEAD_DIM + 8) + 2 * BLOCK_Q * (HEAD_DIM + 8) + BLOCK_Q * (_padded(keys, 32) + 8))
-        return "attn_bwd_resident", keys, smem, 2
+        keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
+        smem = 4 * (2 * keys * (HEAD_DIM + 8) + 2 * rows * (HEAD_DIM + 8) + rows * (_padded(keys, 32) + 8))
+        return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
     smem = 4 * (2 * BLOCK_Q * (HEAD_DIM + 8) + 2 * BLOCK_KV * (HEAD_DIM + 8) + BLOCK_Q * (BLOCK_KV + 8))
-    return "attn_bwd", 0, smem, 2 if precision == "fp32" else 3  # ATTN_MIN_BLOCKS in the source
+    return "attn_bwd", 0, BLOCK_Q, smem, 2 if precision == "fp32" else 3  # ATTN_MIN_BLOCKS in the source
 
 
 def check_head_dim(problem):
@@ -45,12 +48,12 @@ def check_head_dim(problem):
                          f"{problem.hidden_size} / {problem.num_heads} heads = head_dim {problem.head_dim}")
 
 
-def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm):
-    """Split each (batch, head)'s query tiles into chunks so the grid fills the GPU.
+def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, block_q=BLOCK_Q):
+    """Split each (batch, head)'s query tiles (of block_q rows) into chunks so the grid fills the GPU.
 
     Returns ``(n_chunks, tiles_per_chunk)``; every chunk owns at least one tile.
     """
-    n_q_tiles = -(-num_video_tokens // BLOCK_Q)
+    n_q_tiles = -(-num_video_tokens // block_q)
     want = -(-blocks_per_sm * sm_count // (batch_size * num_heads))
     n_chunks = max(1, min(n_q_tiles, want))
     tiles_per_chunk = -(-n_q_tiles // n_chunks)
@@ -58,10 +61,11 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm):
 
 
 def launch_layout(problem, precision, sm_count):
-    """(kernel name, ATTN_KEYS, shared-memory bytes, n_chunks, tiles_per_chunk) for ``problem``."""
-    name, keys, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
-    return (name, keys, smem, *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
-                                        sm_count, blocks_per_sm))
+    """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM, n_chunks,
+    tiles_per_chunk) for ``problem``."""
+    name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
+    return (name, keys, rows, smem, blocks_per_sm,
+            *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count, blocks_per_sm, rows))
 
 
 class AttentionBackward:
@@ -77,17 +81,19 @@ class AttentionBackward:
     @staticmethod
     def workspace_bytes(problem, precision, sm_count):
         """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one)."""
-        n_chunks = launch_layout(problem, precision, sm_count)[3]
+        n_chunks = launch_layout(problem, precision, sm_count)[5]
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size if n_chunks > 1 else 0
 
     def __init__(self, problem, precision, sm_count):
         cupy = import_cupy()
         check_head_dim(problem)
         self.problem = problem
-        name, keys, self._smem_bytes, self.n_chunks, self.tiles_per_chunk = launch_layout(problem, precision,
-                                                                                           sm_count)
-        defines = {"ATTN_BLOCK_Q": BLOCK_Q, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
-                   "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys}
+        name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk = launch_layout(
+            problem, precision, sm_count)
+        self._threads = rows // 16 * 32
+        defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
+                   "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys,
+                   "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm}
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -116,7 +122,7 @@ class AttentionBackward:
         p = self.problem
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
-            (self.n_chunks, p.num_heads, p.batch_size), (_THREADS,),
+            (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
             (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
              numpy.int32(p.num_video_tokens), numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale)),

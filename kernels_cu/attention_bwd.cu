@@ -538,12 +538,17 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // stay in shared memory for the whole chunk, so each query tile takes one pass: the exact
 // softmax of a whole row is in registers (no second pass, no log-sum-exp), and the block's dK
 // and dV accumulate in registers over its query tiles, stored once at the end.
-// Shared memory: 2 (K, V) + 2 (Q, dO) row tiles and P/dS; two blocks per SM for ≤ 80 keys.
+// Shared memory: 2 (K, V) + 2 (Q, dO) row tiles and P/dS; for ≤ 80 keys two blocks per SM with
+// 64-row tiles, one with 128-row tiles (ATTN_RESIDENT_MIN_BLOCKS, set by the launcher).
 // The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts).
 #define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
 static_assert(ATTN_KEYS % 16 == 0, "the resident keys are whole 16-row mma tiles");
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
+#ifndef ATTN_RESIDENT_MIN_BLOCKS
+#define ATTN_RESIDENT_MIN_BLOCKS 2
+#endif
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_RESIDENT_MIN_BLOCKS)
 attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   const float* const* __restrict__ biases, const float* __restrict__ dout, float* __restrict__ o,
                   float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text, int hidden,

@@ -11,12 +11,14 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = {"tf32": 5e-3, "fp32": 2e-5}
 
 
+@pytest.mark.parametrize("resident_rows", [64, 128])
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
     (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
     (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1)])
-def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision):
+def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, resident_rows, monkeypatch):
     import cupy
+    monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", resident_rows)
     heads, hidden = 16, 1024
     rng = numpy.random.default_rng(n_video * 1000 + n_text)
     q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)

@@ -1,0 +1,64 @@
+"""The attention kernel alone, per variant of the resident kernel's tile (64 or 128 query rows):
+GPU time (CUDA events, median) and relative error against the float64 reference.
+
+Usage: PYTHONPATH=. python3 scripts/attention_variants.py [--precision tf32] [--reps 20] 64x128x77 2x4096x77 ...
+"""
+import argparse
+
+import numpy
+
+from cupy_xattn import attention_bwd, cases, reference
+from cupy_xattn.checks import Problem
+
+
+def main():
+    import cupy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="+")
+    parser.add_argument("--precision", default="tf32", choices=["tf32", "fp32"])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    heads, hidden, scale = 16, 1024, 0.125
+    sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+    print(f"{'shape':>12} {'rows':>5} {'chunks':>6} {'us':>9} {'max rel err':>12}")
+    for shape in args.shapes:
+        case = cases.parse_shape(shape, atol=0.0)
+        b, nv, nt = case.batch_size, case.num_video_tokens, case.num_text_tokens
+        rng = numpy.random.default_rng(0)
+        q0, dout = (rng.standard_normal((b * nv, hidden), dtype=numpy.float32) for _ in range(2))
+        kv0 = rng.standard_normal((b * nt, 2 * hidden), dtype=numpy.float32)
+        bq, bk, bv = (rng.standard_normal(hidden, dtype=numpy.float32) for _ in range(3))
+        f64 = lambda a, n: a.astype(numpy.float64).reshape(b, n, -1)  # noqa: E731
+        q, k, v = f64(q0, nv) + bq, f64(kv0[:, :hidden], nt) + bk, f64(kv0[:, hidden:], nt) + bv
+        do = f64(dout, nv)
+        ref = (reference.attention(q, k, v, scale, num_heads=heads),
+               *reference.attention_backward(do, q, k, v, scale, num_heads=heads))
+        biases = [cupy.asarray(x) for x in (bq, bk, bv)]
+        table = cupy.array([x.data.ptr for x in biases], numpy.uint64)
+        gpu = [cupy.asarray(x) for x in (q0, kv0, dout)]
+        for rows in (64, 128):
+            attention_bwd.RESIDENT_BLOCK_Q = rows
+            kernel = attention_bwd.AttentionBackward(Problem(b, nv, nt, hidden, heads, 64, scale), args.precision,
+                                                     sm_count)
+            o, dq = (cupy.full((b * nv, hidden), numpy.nan, numpy.float32) for _ in range(2))
+            dkv = cupy.full((b * nt, 2 * hidden), numpy.nan, numpy.float32)
+            run = lambda: kernel(gpu[0], gpu[1], table.data.ptr, gpu[2], o, dq, dkv)  # noqa: E731
+            run()
+            times = []
+            for _ in range(args.reps):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+            got_kv = cupy.asnumpy(dkv).reshape(b, nt, 2 * hidden)
+            got = (cupy.asnumpy(o).reshape(b, nv, -1), cupy.asnumpy(dq).reshape(b, nv, -1),
+                   got_kv[..., :hidden], got_kv[..., hidden:])
+            err = max(float(numpy.abs(x - y).max() / numpy.abs(y).max()) for x, y in zip(got, ref))
+            print(f"{shape:>12} {rows:>5} {kernel.n_chunks:>6} {numpy.median(times):9.1f} {err:12.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
