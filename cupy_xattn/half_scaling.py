@@ -23,11 +23,14 @@ class HalfScaler:
         self.n_slots = n_slots
         self._max_blocks = 2 * sm_count
         # One buffer: amax bits (zero between groups: half_alphas clears them), inverse scales,
-        # then the n × n alphas.
-        self._state = cupy.zeros(2 * n_slots + n_slots * n_slots, numpy.float32)
+        # the scales guessed for the next copies (the last ones found; 1 at first), n × n alphas.
+        n = n_slots
+        self._state = cupy.zeros(3 * n + n * n, numpy.float32)
+        self._state[n:3 * n] = 1.0
         self._amax_bits = self._state.data.ptr
-        self._inv_scale = self._state.data.ptr + 4 * n_slots
-        self._alpha = self._state.data.ptr + 8 * n_slots
+        self._inv_scale = self._state.data.ptr + 4 * n
+        self._guess = self._state.data.ptr + 8 * n
+        self._alpha = self._state.data.ptr + 12 * n
         self._copy = kernels.get_kernel(SOURCE, "half_copy_absmax")
         self._rescale = kernels.get_kernel(SOURCE, "half_rescale")
         self._alphas = kernels.get_kernel(SOURCE, "half_alphas")
@@ -52,14 +55,14 @@ class HalfScaler:
         blocks = max(1, min(-(-max(size for size, _, _ in tensors) // 4 // _THREADS), self._max_blocks))
         grid, block = (blocks, n), (_THREADS,)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))
-        amax = numpy.uint64(self._amax_bits)
-        return (lambda: self._copy(grid, block, args + (amax,)),
-                lambda: self._rescale(grid, block, args + (amax, numpy.uint64(self._inv_scale))))
+        amax, guess = numpy.uint64(self._amax_bits), numpy.uint64(self._guess)
+        return (lambda: self._copy(grid, block, args + (amax, guess)),
+                lambda: self._rescale(grid, block, args + (amax, numpy.uint64(self._inv_scale), guess)))
 
     def update_alphas(self):
         n = self.n_slots
         self._alphas((1,), (n * n,), (numpy.uint64(self._inv_scale), numpy.uint64(self._alpha), numpy.int32(n),
-                                      numpy.uint64(self._amax_bits)))
+                                      numpy.uint64(self._amax_bits), numpy.uint64(self._guess)))
 
     def alpha(self, i, j):
         return self._alpha + 4 * (i * self.n_slots + j)

@@ -1,27 +1,25 @@
 // fp32 → fp16 with a per-tensor power-of-two scale, for the fp16 precision mode.
 //
-// A tensor x is stored as half(x · s). s = 1 when max|x| lies in [2^HALF_KEEP_LOW_EXP,
-// 2^HALF_TARGET_EXP): nothing overflows, and elements down to 2^-10 · max|x| stay normal (full
-// 11-bit precision). Otherwise s = 2^(HALF_TARGET_EXP − e), where 2^e is the smallest power of
-// two above max|x|: the largest element lands just under 2^HALF_TARGET_EXP, far from fp16's
-// 65504, and small tensors (gradients of 1e-8) are lifted into the normal range. Powers of two
-// make the scaling exact; a GEMM on two scaled tensors is undone by alpha = (1/s_a)·(1/s_b).
+// A tensor x is stored as half(x · s) with s = 2^(HALF_TARGET_EXP − e), where 2^e is the
+// smallest power of two above max|x|. So the largest element lands just under 2^HALF_TARGET_EXP
+// (far from fp16's 65504: nothing overflows) and small tensors (gradients of 1e-8) are lifted
+// into fp16's normal range, keeping its 11-bit relative precision down to 2^-28 · max|x|.
+// Powers of two make the scaling exact; a GEMM on two scaled tensors is undone by
+// alpha = (1/s_a)·(1/s_b).
 //
-// Since s = 1 is the common case, the copy is made at s = 1 while max|x| is taken, and only a
-// tensor that needs another scale is written again:
-//   half_copy_absmax: y = half(x); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
-//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ 1, y = half(x · s)
-//   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; amax_bits zeroed for the next
-//                     group or run (they start at zero)                 one block, n·n ≤ 1024
+// s depends on max|x|, known only after a pass over x. The copy is made in that same pass with
+// a guess, the scale the slot had in the previous run (1 at first), and a tensor is written
+// again only when its scale turned out different. Results never depend on the guess.
+//   half_copy_absmax: y = half(x · guess[slot]); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
+//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ guess, y = half(x · s)
+//   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; guess = 1/inv_scale and
+//                     amax_bits zeroed, for the next group or run         one block, n·n ≤ 1024
 //
 // max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
 // bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
 
 #ifndef HALF_TARGET_EXP
 #define HALF_TARGET_EXP 14
-#endif
-#ifndef HALF_KEEP_LOW_EXP
-#define HALF_KEEP_LOW_EXP (-4)
 #endif
 #define HALF_THREADS 256
 
@@ -38,7 +36,6 @@ __device__ __forceinline__ int group_slot(const long long* meta, int n, int i) {
 __device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
     const float amax = __uint_as_float(amax_bits);
     if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // zero, inf or NaN: leave as is
-    if (amax >= ldexpf(1.f, HALF_KEEP_LOW_EXP) && amax < ldexpf(1.f, HALF_TARGET_EXP)) return 1.f;
     int e;
     frexpf(amax, &e);  // amax < 2^e
     return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
@@ -54,8 +51,9 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-                 unsigned* __restrict__ amax_bits) {
+                 unsigned* __restrict__ amax_bits, const float* __restrict__ guess) {
     const int i = blockIdx.y;
+    const float s = guess[group_slot(meta, n, i)];
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
     const long long n4 = group_n4(meta, i);
@@ -64,7 +62,7 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
          j += (long long)gridDim.x * HALF_THREADS) {
         const float4 v = x[j];
-        y[j] = make_uint2(pack_half2(v.x, v.y), pack_half2(v.z, v.w));
+        y[j] = make_uint2(pack_half2(v.x * s, v.y * s), pack_half2(v.z * s, v.w * s));
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
         nan |= v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
     }
@@ -81,11 +79,12 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale,
+             const float* __restrict__ guess) {
     const int i = blockIdx.y, slot = group_slot(meta, n, i);
     const float s = pow2_scale(amax_bits[slot]);
     if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[slot] = 1.f / s;  // same value for a shared slot
-    if (s == 1.f) return;  // half_copy_absmax's copy stands
+    if (s == guess[slot]) return;  // half_copy_absmax's copy stands
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
     const long long n4 = group_n4(meta, i);
@@ -97,8 +96,11 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
 }
 
 extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n,
-                                       unsigned* __restrict__ amax_bits) {
+                                       unsigned* __restrict__ amax_bits, float* __restrict__ guess) {
     const int i = threadIdx.x / n, j = threadIdx.x % n;
     if (i < n) alpha[threadIdx.x] = inv_scale[i] * inv_scale[j];
-    if (threadIdx.x < n) amax_bits[threadIdx.x] = 0u;
+    if (threadIdx.x < n) {
+        amax_bits[threadIdx.x] = 0u;
+        guess[threadIdx.x] = 1.f / inv_scale[threadIdx.x];  // exact: a power of two
+    }
 }

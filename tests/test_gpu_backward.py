@@ -105,6 +105,21 @@ def test_fp16_mode_rescales_gradients_outside_the_unscaled_range(factor):
     assert not bad, bad
 
 
+def test_fp16_mode_keeps_the_precision_of_a_sample_far_smaller_than_the_others():
+    # dY of sample 1 is 2^-20 times that of sample 0 (per-sample loss weights): one scale per
+    # tensor must still keep sample 1's values in fp16's normal range.
+    case = cases.Case(2, 130, 77, atol=0.0)
+    inputs, _ = _case_data(case, 9)
+    grad_output = inputs["grad_output"].copy()
+    grad_output[1] *= numpy.float32(2.0 ** -20)
+    inputs = dict(inputs, grad_output=grad_output)
+    ref = reference.backward(**inputs, num_heads=16)
+    got = cross_attention_backward(**_on_gpu(inputs), precision="fp16")
+    for name in ("grad_video_latents", "grad_text_embeddings"):
+        x, y = _cupy().asnumpy(getattr(got, name)[1]), getattr(ref, name)[1]
+        assert numpy.abs(x - y).max() / numpy.abs(y).max() <= EDGE_TOLERANCE["fp16"], name
+
+
 def test_other_head_counts_with_head_dim_64():
     case = cases.Case(2, 100, 50, atol=0.0)
     inputs, ref = _case_data(case, 6, hidden_size=512, num_heads=8)
