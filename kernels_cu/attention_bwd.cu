@@ -574,16 +574,29 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     float dk_acc[PER_WARP][4], dv_acc[PER_WARP][4];
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
-    // acc[j] += (A^T B) for this warp's output tiles j (A in p_s, B = Q or dO).
+    // acc[j] += (A^T B) for this warp's output tiles j (A = P or dS in p_s, B = Q or dO). The
+    // loop over the query rows is outside the loop over the tiles: PER_WARP independent mma
+    // chains instead of one chain of ATTN_BLOCK_Q / 8 dependent mma per tile.
     auto add_transposed = [&](float (&acc)[PER_WARP][4], const float* b_s) {
+        float lo[PER_WARP][4];
+        zero<PER_WARP>(lo);
+#if ATTN_SPLIT3
+        float hi[PER_WARP][4];  // fresh accumulators, added in fp32 (see add_tile)
+        zero<PER_WARP>(hi);
+#else
+        float (&hi)[PER_WARP][4] = acc;  // TF32: accumulate in place
+#endif
 #pragma unroll
-        for (int j = 0; j < PER_WARP; ++j) {
-            const int tile = warp + j * WARPS;
-            float c[4];
-            transposed_tile(c, p_s, LD_P, b_s, (tile / NT_HD) * 16, (tile % NT_HD) * 8, g, t);
+        for (int k = 0; k < ATTN_BLOCK_Q; k += 8)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] += c[i];
-        }
+            for (int j = 0; j < PER_WARP; ++j) {
+                const int tile = warp + j * WARPS;
+                float a[4], b[2];
+                load_a_trans(a, p_s, LD_P, (tile / NT_HD) * 16, k, g, t);
+                load_b(b, b_s, LD_HD, k, (tile % NT_HD) * 8, g, t);
+                mma(hi[j], lo[j], a, b);
+            }
+        add_tile<PER_WARP>(acc, hi, lo);
     };
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;

@@ -1,5 +1,6 @@
 """The attention kernel alone, per variant of the resident kernel's tile (64 or 128 query rows):
-GPU time (CUDA events, median) and relative error against the float64 reference.
+GPU time (CUDA events, median), relative error against the float64 reference, and the registers
+and local (spill) bytes per thread of the kernel as this machine's NVRTC and driver built it.
 
 Usage: PYTHONPATH=. python3 scripts/attention_variants.py [--precision tf32] [--reps 20] 64x128x77 2x4096x77 ...
 """
@@ -21,7 +22,7 @@ def main():
     args = parser.parse_args()
     heads, hidden, scale = 16, 1024, 0.125
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    print(f"{'shape':>12} {'rows':>5} {'chunks':>6} {'us':>9} {'max rel err':>12}")
+    print(f"{'shape':>12} {'rows':>5} {'chunks':>6} {'us':>9} {'max rel err':>12} {'regs':>5} {'local B':>8}")
     for shape in args.shapes:
         case = cases.parse_shape(shape, atol=0.0)
         b, nv, nt = case.batch_size, case.num_video_tokens, case.num_text_tokens
@@ -57,7 +58,9 @@ def main():
             got = (cupy.asnumpy(o).reshape(b, nv, -1), cupy.asnumpy(dq).reshape(b, nv, -1),
                    got_kv[..., :hidden], got_kv[..., hidden:])
             err = max(float(numpy.abs(x - y).max() / numpy.abs(y).max()) for x, y in zip(got, ref))
-            print(f"{shape:>12} {rows:>5} {kernel.n_chunks:>6} {numpy.median(times):9.1f} {err:12.2e}", flush=True)
+            attributes = kernel._main.attributes
+            print(f"{shape:>12} {rows:>5} {kernel.n_chunks:>6} {numpy.median(times):9.1f} {err:12.2e} "
+                  f"{attributes['num_regs']:>5} {attributes['local_size_bytes']:>8}", flush=True)
 
 
 if __name__ == "__main__":
