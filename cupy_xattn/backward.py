@@ -7,7 +7,7 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
 
-In the fp32 and tf32 modes dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
+In the tf32 mode dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
 ``weights_t.py`` at the start), so that both operands of every such GEMM are K-major.
 
 Every GEMM runs at the mode's precision: fp32 (IEEE FFMA), tf32 (TF32 tensor cores) or fp16
@@ -135,7 +135,7 @@ class Backward:
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = 2 * (4 * mv * d + 3 * mt * d + 4 * d * d) if precision == "fp16" else 0
-        transposed = 4 * 4 * d * d if precision != "fp16" else 0  # Wo^T; [Wq^T | Wk^T | Wv^T]
+        transposed = 4 * 4 * d * d if precision == "tf32" else 0  # Wo^T; [Wq^T | Wk^T | Wv^T]
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -188,11 +188,13 @@ class Backward:
             O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
             dtype = _R_32F
             alpha = lambda i, j: None  # noqa: E731
-            # The products with a weight on the right (dO, dX, dT) read W^T copies: see
-            # kernels_cu/weights_t.cu. (The fp16 GEMMs read either layout at full speed.)
-            self._wo_t, self._wqkv_t = cupy.empty((d, d), numpy.float32), cupy.empty((d, 3 * d), numpy.float32)
-            wo_t = WeightsTransposed(self._table.address(self._table.add(WO)), 1, self._wo_t, d)
-            wqkv_t = WeightsTransposed(self._table.address(self._table.add(WQ, WK, WV)), 3, self._wqkv_t, d)
+            if self.precision == "tf32":
+                # The products with a weight on the right (dO, dX, dT) read W^T copies: see
+                # kernels_cu/weights_t.cu. The fp16 GEMMs read either layout at full speed; the
+                # fp32 (FFMA) ones were slower on several cases with the copies (docs/perf-notes.md).
+                self._wo_t, self._wqkv_t = cupy.empty((d, d), numpy.float32), cupy.empty((d, 3 * d), numpy.float32)
+                wo_t = WeightsTransposed(self._table.address(self._table.add(WO)), 1, self._wo_t, d)
+                wqkv_t = WeightsTransposed(self._table.address(self._table.add(WQ, WK, WV)), 3, self._wqkv_t, d)
         else:
             s = self._scaler
             h16 = lambda *shape: cupy.empty(shape, numpy.float16)  # noqa: E731
@@ -215,7 +217,7 @@ class Backward:
             alpha = s.alpha
 
         gemm = self._gemm
-        transposed = self._scaler is None
+        transposed = self.precision == "tf32"
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
              data_type=dtype, alpha=alpha(_X, _WQ))
@@ -254,9 +256,13 @@ class Backward:
         if transposed:  # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D
             gemm([DK], [addr(self._wqkv_t, 4 * d)], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d,
                  ldb=3 * d, ldc=d, trans_b=True, data_type=dtype, lane=1)
-        else:  # [Wk; Wv] is one fp16 copy: dT = [dK | dV] [Wk; Wv], one GEMM
+        elif self._scaler is not None:  # [Wk; Wv] is one fp16 copy: dT = [dK | dV] [Wk; Wv], one GEMM
             gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
                  data_type=dtype, alpha=alpha(_DKV, _WKV), lane=1)
+        else:  # fp32: the caller's Wk and Wv are two arrays: dT = dK Wk, then += dV Wv
+            gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d, lane=1)
+            gemm([DV], [WV], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d, accumulate=True,
+                 lane=1)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
              lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T), lane=1)
 
