@@ -12,11 +12,10 @@ from ._cupy import import_cupy
 SOURCE = "attention_bwd.cu"
 BLOCK_Q = 64          # query rows per tile of attn_bwd (4 warps of 16 rows)
 BLOCK_KV = 32         # keys per streamed tile (attn_bwd)
-#: query rows per tile of attn_bwd_resident, by precision: 64 (4 warps, two blocks per SM) or 128
-#: (8 warps, one block per SM, half the dK/dV accumulators per warp). Measured (docs/perf-notes.md):
-#: 128 rows take the fp32 mode's 3xTF32 kernel from 867 to 731 µs on B=64 Nv=128; in TF32 they
-#: gain 4 % there but lose 40 % on B=2 Nv=4096 (fewer blocks in flight), so TF32 keeps 64.
-RESIDENT_BLOCK_Q = {"fp32": 128, "tf32": 64, "fp16": 64}
+#: query rows per tile of attn_bwd_resident: 64 (4 warps, two blocks per SM) or 128 (8 warps, one
+#: block per SM, half the dK/dV accumulators per warp). 64 is faster in every mode since the
+#: kernel stopped spilling (docs/perf-notes.md; scripts/attention_variants.py compares both).
+RESIDENT_BLOCK_Q = 64
 HEAD_DIM = 64
 #: up to this many text tokens, attn_bwd_resident keeps all keys and values in shared memory
 #: and takes one pass per query tile; longer texts are streamed by attn_bwd in two passes.
@@ -37,7 +36,7 @@ def kernel_choice(num_text_tokens, precision):
     (batch, head) pair: each extra chunk costs a dK/dV partial to reduce.
     """
     if num_text_tokens <= RESIDENT_MAX_KEYS:
-        keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q[precision]
+        keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
         smem = 4 * (2 * keys * (HEAD_DIM + 8) + 2 * rows * (HEAD_DIM + 8) + rows * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
     smem = 4 * (2 * BLOCK_Q * (HEAD_DIM + 8) + 2 * BLOCK_KV * (HEAD_DIM + 8) + BLOCK_Q * (BLOCK_KV + 8))

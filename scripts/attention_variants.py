@@ -39,7 +39,7 @@ def main():
         table = cupy.array([x.data.ptr for x in biases], numpy.uint64)
         gpu = [cupy.asarray(x) for x in (q0, kv0, dout)]
         for rows in (64, 128):
-            attention_bwd.RESIDENT_BLOCK_Q[args.precision] = rows
+            attention_bwd.RESIDENT_BLOCK_Q = rows
             kernel = attention_bwd.AttentionBackward(Problem(b, nv, nt, hidden, heads, 64, scale), args.precision,
                                                      sm_count)
             o, dq = (cupy.full((b * nv, hidden), numpy.nan, numpy.float32) for _ in range(2))

@@ -18,7 +18,7 @@ TOLERANCE = {"tf32": 5e-3, "fp32": 2e-5}
     (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1)])
 def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, resident_rows, monkeypatch):
     import cupy
-    monkeypatch.setitem(attention_bwd.RESIDENT_BLOCK_Q, precision, resident_rows)
+    monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", resident_rows)
     heads, hidden = 16, 1024
     rng = numpy.random.default_rng(n_video * 1000 + n_text)
     q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
