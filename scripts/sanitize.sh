@@ -26,6 +26,8 @@ for tool in $TOOLS; do
         rc=$?
         summary="$(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -1)"
         echo "$tool $precision: exit $rc; ${summary:-no summary (see $log)}"
+        # Which kernels the reports point at (the logs may not come back from the device).
+        grep -h -A1 "^========= [A-Z]" "$log" | grep -o "at [^ ]*" | sed 's/+0x[0-9a-f]*//' | sort | uniq -c | head -5
         [ $rc -eq 0 ] || status=1
     done
 done
