@@ -6,6 +6,8 @@
 #   bash scripts/sanitize.sh                                   # everything
 #   SHAPES="2x64x77 1x100x93" TOOLS="memcheck" PRECISIONS="tf32" bash scripts/sanitize.sh
 #
+# RUN_SECONDS (default 600) bounds each tool × precision run: a run cut short still reports what
+# it found (exit 124, and the kernels its reports name), so the next run gets its turn.
 # Logs go to $OUT/sanitizer-logs when $OUT is set (the lent device machines), else ./sanitizer-logs;
 # one line per run with compute-sanitizer's ERROR SUMMARY. Exit status 1 if any run reports an error.
 set -uo pipefail
@@ -17,11 +19,12 @@ suite="$(python3 -c 'from cupy_xattn import cases; print(" ".join(c.label for c 
 SHAPES="${SHAPES:-$suite 1x1x77 2x64x1 1x256x512 1x691x77 2x853x93 3x130x33}"
 TOOLS="${TOOLS:-memcheck racecheck initcheck synccheck}"
 PRECISIONS="${PRECISIONS:-fp32 tf32 fp16}"
+RUN_SECONDS="${RUN_SECONDS:-600}"
 status=0
 for tool in $TOOLS; do
     for precision in $PRECISIONS; do
         log="$logs/$tool-$precision.log"
-        compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        timeout "$RUN_SECONDS" compute-sanitizer --tool "$tool" --error-exitcode 1 \
             python3 scripts/sanitize.py --precision "$precision" $SHAPES > "$log" 2>&1
         rc=$?
         summary="$(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -1)"
