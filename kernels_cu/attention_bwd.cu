@@ -229,32 +229,42 @@ __device__ __forceinline__ void rows_times_t(float c[NT][4], const float* a_s, c
     fold<NT>(c, c_lo);
 }
 
-// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and B (v_s or
-// k_s: [K][head_dim]): O += P V and dQ += dS K.
-template <int K>
-__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s, int ld_p,
-                                               const float* b_s, int r0, int g, int t) {
-    constexpr int NT = ATTN_HEAD_DIM / 8;
+// acc += the products that products(hi, lo) issues through mma(hi[n], lo[n], …): in TF32 they
+// accumulate in place (hi is acc); the split mode gives them fresh accumulators, added to acc
+// in fp32 by add_tile.
+template <int NT, typename Products>
+__device__ __forceinline__ void accumulate(float (&acc)[NT][4], Products products) {
     float lo[NT][4];
     zero<NT>(lo);
 #if ATTN_SPLIT3
     float hi[NT][4];
     zero<NT>(hi);
 #else
-    float (&hi)[NT][4] = acc;  // TF32: accumulate in place
+    float (&hi)[NT][4] = acc;
 #endif
-#pragma unroll kUnrollK
-    for (int k = 0; k < K; k += 8) {
-        float a[4];
-        load_a(a, p_s, ld_p, r0, k, g, t);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            float b[2];
-            load_b(b, b_s, LD_HD, k, n * 8, g, t);
-            mma(hi[n], lo[n], a, b);
-        }
-    }
+    products(hi, lo);
     add_tile<NT>(acc, hi, lo);
+}
+
+// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and B (v_s or
+// k_s: [K][head_dim]): O += P V and dQ += dS K.
+template <int K>
+__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s, int ld_p,
+                                               const float* b_s, int r0, int g, int t) {
+    constexpr int NT = ATTN_HEAD_DIM / 8;
+    accumulate<NT>(acc, [&](float (&hi)[NT][4], float (&lo)[NT][4]) {
+#pragma unroll kUnrollK
+        for (int k = 0; k < K; k += 8) {
+            float a[4];
+            load_a(a, p_s, ld_p, r0, k, g, t);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                float b[2];
+                load_b(b, b_s, LD_HD, k, n * 8, g, t);
+                mma(hi[n], lo[n], a, b);
+            }
+        }
+    });
 }
 
 // S for NT·8 keys from kv0, scaled to log2 units, keys past n_text masked to −inf.
@@ -584,25 +594,18 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     // loop over the query rows is outside the loop over the tiles: PER_WARP independent mma
     // chains instead of one chain of ATTN_BLOCK_Q / 8 dependent mma per tile.
     auto add_transposed = [&](float (&acc)[PER_WARP][4], const float* b_s) {
-        float lo[PER_WARP][4];
-        zero<PER_WARP>(lo);
-#if ATTN_SPLIT3
-        float hi[PER_WARP][4];  // fresh accumulators, added in fp32 (see add_tile)
-        zero<PER_WARP>(hi);
-#else
-        float (&hi)[PER_WARP][4] = acc;  // TF32: accumulate in place
-#endif
+        accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
 #pragma unroll kUnrollK
-        for (int k = 0; k < ATTN_BLOCK_Q; k += 8)
+            for (int k = 0; k < ATTN_BLOCK_Q; k += 8)
 #pragma unroll
-            for (int j = 0; j < PER_WARP; ++j) {
-                const int tile = warp + j * WARPS;
-                float a[4], b[2];
-                load_a_trans(a, p_s, LD_P, (tile / NT_HD) * 16, k, g, t);
-                load_b(b, b_s, LD_HD, k, (tile % NT_HD) * 8, g, t);
-                mma(hi[j], lo[j], a, b);
-            }
-        add_tile<PER_WARP>(acc, hi, lo);
+                for (int j = 0; j < PER_WARP; ++j) {
+                    const int tile = warp + j * WARPS;
+                    float a[4], b[2];
+                    load_a_trans(a, p_s, LD_P, (tile / NT_HD) * 16, k, g, t);
+                    load_b(b, b_s, LD_HD, k, (tile % NT_HD) * 8, g, t);
+                    mma(hi[j], lo[j], a, b);
+                }
+        });
     };
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
