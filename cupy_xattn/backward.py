@@ -181,6 +181,7 @@ class Backward:
         mv, mt = b * nv, b * nt
         addr = lambda array, offset=0: array.data.ptr + offset  # noqa: E731
         dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
+        transposed = self.precision == "tf32"
 
         if self._scaler is None:
             X, T, DY = "video_latents", "text_embeddings", "grad_output"
@@ -188,7 +189,7 @@ class Backward:
             O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
             dtype = _R_32F
             alpha = lambda i, j: None  # noqa: E731
-            if self.precision == "tf32":
+            if transposed:
                 # The products with a weight on the right (dO, dX, dT) read W^T copies: see
                 # kernels_cu/weights_t.cu. The fp16 GEMMs read either layout at full speed; the
                 # fp32 (FFMA) ones were slower on several cases with the copies (docs/perf-notes.md).
@@ -217,7 +218,6 @@ class Backward:
             alpha = s.alpha
 
         gemm = self._gemm
-        transposed = self.precision == "tf32"
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
              data_type=dtype, alpha=alpha(_X, _WQ))
