@@ -57,8 +57,6 @@ constexpr int kUnrollK = ATTN_KEYS ? 1 : 16;
 static_assert(ATTN_BLOCK_Q % 16 == 0, "a warp owns 16 query rows");
 static_assert(ATTN_BLOCK_KV % 16 == 0, "key/value tiles are whole 16-row mma tiles");
 static_assert(ATTN_HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
-static_assert((ATTN_BLOCK_KV / 16) * (ATTN_HEAD_DIM / 8) % (ATTN_THREADS / 32) == 0,
-              "dK/dV tile products must split evenly over the warps");
 
 namespace {
 
@@ -304,58 +302,74 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// c = (A^T B)[m0, m0 + 16) × [n0, n0 + 8) over the block's ATTN_BLOCK_Q query rows, where A is
-// the P or dS tile ([rows][ld_p] in p_s) and B the Q or dO tile; fresh accumulator (C layout).
-__device__ __forceinline__ void transposed_tile(float c[4], const float* p_s, int ld_p, const float* b_s, int m0,
-                                                int n0, int g, int t) {
-    float acc[1][4], acc_lo[1][4];
-    zero<1>(acc);
-    zero<1>(acc_lo);
-#pragma unroll
+// The A^T B products (dV = P^T dO, dK = dS^T Q) over the block's ATTN_BLOCK_Q query rows, for
+// KEYS keys: A is the P or dS tile ([rows][ld_p] in p_s), B the dO or Q tile. Their 16 × 8 output
+// tiles are dealt to warps by columns: a warp owns head-dim columns [warp·NPW·8, +NPW·8) of every
+// key tile, so at each k step its B fragments serve all KT key tiles and each A fragment its NPW
+// column tiles (2.4 fragment loads per mma instead of 6: shared-memory bandwidth bounds these
+// products), and its KT·NPW accumulators are independent mma chains. Tile j of a warp is key
+// tile j / NPW, column tile warp·NPW + j % NPW.
+template <int KEYS>
+struct TransposedTiles {
+    static constexpr int WARPS = ATTN_THREADS / 32, NPW = ATTN_HEAD_DIM / 8 / WARPS, KT = KEYS / 16, N = KT * NPW;
+    static_assert(ATTN_HEAD_DIM / 8 % WARPS == 0, "the column tiles must split evenly over the warps");
+    static_assert(KEYS % 16 == 0, "whole 16-row key tiles");
+    // Row (of the KEYS) and column of element (g + 8·half, 2t) of tile j.
+    __device__ __forceinline__ static int row(int j, int g, int half) { return j / NPW * 16 + g + 8 * half; }
+    __device__ __forceinline__ static int col(int j, int warp, int t) { return (warp * NPW + j % NPW) * 8 + 2 * t; }
+};
+
+template <int KEYS>
+__device__ __forceinline__ void transposed_products(float (&hi)[TransposedTiles<KEYS>::N][4],
+                                                    float (&lo)[TransposedTiles<KEYS>::N][4], const float* p_s,
+                                                    int ld_p, const float* b_s, int warp, int g, int t) {
+    using T = TransposedTiles<KEYS>;
+#pragma unroll kUnrollK
     for (int k = 0; k < ATTN_BLOCK_Q; k += 8) {
-        float a[4], b[2];
-        load_a_trans(a, p_s, ld_p, m0, k, g, t);
-        load_b(b, b_s, LD_HD, k, n0, g, t);
-        mma(acc[0], acc_lo[0], a, b);
-    }
-    fold<1>(acc, acc_lo);
+        float b[T::NPW][2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = acc[0][i];
+        for (int n = 0; n < T::NPW; ++n) load_b(b[n], b_s, LD_HD, k, (warp * T::NPW + n) * 8, g, t);
+#pragma unroll
+        for (int kt = 0; kt < T::KT; ++kt) {
+            float a[4];
+            load_a_trans(a, p_s, ld_p, kt * 16, k, g, t);
+#pragma unroll
+            for (int n = 0; n < T::NPW; ++n) mma(hi[kt * T::NPW + n], lo[kt * T::NPW + n], a, b[n]);
+        }
+    }
 }
 
-// dst[kv rows × head_dim] (+)= A^T·B over the block's ATTN_BLOCK_Q query rows, where A is the
-// P or dS tile in p_s and B is the Q or dO tile; the (16 × 8) output tiles are dealt to warps.
+// dst[kv rows × head_dim] (+)= A^T·B for one streamed key tile (see transposed_products).
 // When accumulating, the old values are all loaded before the products, so their global-memory
-// latency overlaps the arithmetic instead of following each tile.
+// latency overlaps the arithmetic.
 __device__ __forceinline__ void block_transposed_product(float* dst, long long ld_dst, int kv0, int n_text,
                                                          bool accumulate, const float* p_s, const float* b_s,
                                                          int warp, int g, int t) {
-    constexpr int N_TILES = ATTN_HEAD_DIM / 8, WARPS = ATTN_THREADS / 32;
-    constexpr int PER_WARP = (ATTN_BLOCK_KV / 16) * N_TILES / WARPS;
-    // Element (row, n0 + 2t) of dst for output tile j of this warp; null past the last key.
+    using T = TransposedTiles<ATTN_BLOCK_KV>;
+    // Element (row g + 8·half, column 2t) of this warp's tile j in dst; null past the last key.
     auto at = [&](int j, int half) -> float2* {
-        const int tile = warp + j * WARPS, row = kv0 + (tile / N_TILES) * 16 + g + 8 * half;
-        return row < n_text ? reinterpret_cast<float2*>(dst + (long long)row * ld_dst + (tile % N_TILES) * 8 + 2 * t)
-                            : nullptr;
+        const int row = kv0 + T::row(j, g, half);
+        return row < n_text ? reinterpret_cast<float2*>(dst + (long long)row * ld_dst + T::col(j, warp, t)) : nullptr;
     };
-    float2 old[PER_WARP][2];
+    float2 old[T::N][2];
 #pragma unroll
-    for (int j = 0; j < PER_WARP; ++j)
+    for (int j = 0; j < T::N; ++j)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float2* p = at(j, half);
             old[j][half] = accumulate && p ? *p : make_float2(0.f, 0.f);
         }
+    float c[T::N][4], c_lo[T::N][4];
+    zero<T::N>(c);
+    zero<T::N>(c_lo);
+    transposed_products<ATTN_BLOCK_KV>(c, c_lo, p_s, LD_KV, b_s, warp, g, t);
+    fold<T::N>(c, c_lo);
 #pragma unroll
-    for (int j = 0; j < PER_WARP; ++j) {
-        const int tile = warp + j * WARPS;
-        float c[4];
-        transposed_tile(c, p_s, LD_KV, b_s, (tile / N_TILES) * 16, (tile % N_TILES) * 8, g, t);
+    for (int j = 0; j < T::N; ++j)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             if (float2* p = at(j, half))
-                *p = make_float2(old[j][half].x + c[2 * half], old[j][half].y + c[2 * half + 1]);
-    }
+                *p = make_float2(old[j][half].x + c[j][2 * half], old[j][half].y + c[j][2 * half + 1]);
 }
 
 // The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
@@ -569,8 +583,9 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   const float* const* __restrict__ biases, const float* __restrict__ dout, float* __restrict__ o,
                   float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text, int hidden,
                   int tiles_per_chunk, float scale) {
-    constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8, WARPS = ATTN_THREADS / 32;
-    constexpr int PER_WARP = (NK / 16) * NT_HD / WARPS;  // 16 × 8 tiles of dK (and of dV) per warp
+    constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8;
+    using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
+    constexpr int PER_WARP = Tiles::N;
     extern __shared__ float4 smem4[];
     float* k_s = reinterpret_cast<float*>(smem4);  // [NK][LD_HD]
     float* v_s = k_s + NK * LD_HD;                  // [NK][LD_HD]
@@ -590,21 +605,10 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     float dk_acc[PER_WARP][4], dv_acc[PER_WARP][4];
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
-    // acc[j] += (A^T B) for this warp's output tiles j (A = P or dS in p_s, B = Q or dO). The
-    // loop over the query rows is outside the loop over the tiles: PER_WARP independent mma
-    // chains instead of one chain of ATTN_BLOCK_Q / 8 dependent mma per tile.
+    // acc += A^T B for this warp's tiles (A = P or dS in p_s, B = dO or Q).
     auto add_transposed = [&](float (&acc)[PER_WARP][4], const float* b_s) {
         accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
-#pragma unroll kUnrollK
-            for (int k = 0; k < ATTN_BLOCK_Q; k += 8)
-#pragma unroll
-                for (int j = 0; j < PER_WARP; ++j) {
-                    const int tile = warp + j * WARPS;
-                    float a[4], b[2];
-                    load_a_trans(a, p_s, LD_P, (tile / NT_HD) * 16, k, g, t);
-                    load_b(b, b_s, LD_HD, k, (tile % NT_HD) * 8, g, t);
-                    mma(hi[j], lo[j], a, b);
-                }
+            transposed_products<NK>(hi, lo, p_s, LD_P, b_s, warp, g, t);
         });
     };
 
@@ -683,10 +687,10 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     // This chunk's dK and dV (rows past n_text are padding).
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j) {
-        const int tile = warp + j * WARPS, n0 = (tile % NT_HD) * 8 + 2 * t;
+        const int n0 = Tiles::col(j, warp, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = (tile / NT_HD) * 16 + g + 8 * h;
+            const int row = Tiles::row(j, g, h);
             if (row < n_text) {
                 *reinterpret_cast<float2*>(hs.dk + row * ld_kv + n0) = make_float2(dk_acc[j][2 * h], dk_acc[j][2 * h + 1]);
                 *reinterpret_cast<float2*>(hs.dv + row * ld_kv + n0) = make_float2(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
