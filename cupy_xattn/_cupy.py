@@ -1,4 +1,6 @@
 """Lazy access to CuPy, so that ``import cupy_xattn`` works without it and without a GPU."""
+import os
+
 import numpy
 
 INSTALL_HINT = "pip install 'cupy-xattn[cuda12]' (CUDA 12) or 'cupy-xattn[cuda13]' (CUDA 13)"
@@ -14,7 +16,16 @@ def import_cupy():
         import cupy
     except ImportError as exc:
         raise ImportError(f"CuPy is not installed; GPU work needs it: {INSTALL_HINT}") from exc
+    except OSError as exc:  # CuPy 14 creates its kernel cache folder when it is imported
+        raise RuntimeError(f"CuPy failed to start: {exc}. It creates its kernel cache folder "
+                           f"({cache_dir()}) on import: point CUPY_CACHE_DIR at a folder that can be "
+                           "created and written") from exc
     return cupy
+
+
+def cache_dir():
+    """CuPy's on-disk kernel cache folder: ``CUPY_CACHE_DIR``, else CuPy's default."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
 
 
 def require_gpu():

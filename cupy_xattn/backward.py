@@ -51,8 +51,9 @@ _N_SLOTS = 9
 class PointerTable:
     """Device array of addresses, rewritten before each run.
 
-    An entry is either a caller array, by name (str), or a fixed address (int) of a buffer the
-    backward owns. Consecutive entries form the pointer arrays of batched GEMMs.
+    An entry is either a caller array, by name (str) or as (name, byte offset) for a part of it,
+    or a fixed address (int) of a buffer the backward owns. Consecutive entries form the pointer
+    arrays of batched GEMMs.
     The device array is allocated up front, so entries have device addresses while recording.
     """
 
@@ -72,11 +73,13 @@ class PointerTable:
 
     def finalize(self):
         names = {name: i for i, name in enumerate(INPUT_NAMES + OUTPUT_NAMES)}
-        caller = [i for i, e in enumerate(self._entries) if isinstance(e, str)]
-        self._host = numpy.array([0 if isinstance(e, str) else e for e in self._entries], numpy.uint64)
+        caller = {i: (e, 0) if isinstance(e, str) else e
+                  for i, e in enumerate(self._entries) if isinstance(e, (str, tuple))}
+        self._host = numpy.array([0 if i in caller else e for i, e in enumerate(self._entries)], numpy.uint64)
         self._host_ptr = self._host.ctypes.data  # once: ``ctypes`` builds an object per access
-        self._caller_index = numpy.array(caller, numpy.intp)
-        self._caller_name = numpy.array([names[self._entries[i]] for i in caller], numpy.intp)
+        self._caller_index = numpy.array(list(caller), numpy.intp)
+        self._caller_name = numpy.array([names[name] for name, _ in caller.values()], numpy.intp)
+        self._caller_offset = numpy.array([offset for _, offset in caller.values()], numpy.uint64)
 
     def address(self, index):
         return self.device.data.ptr + 8 * index
@@ -87,7 +90,7 @@ class PointerTable:
         The copy is from pageable memory, which CUDA stages before returning: the host array
         can change right away, and the copy is ordered on ``stream`` before the run.
         """
-        self._host[self._caller_index] = addresses[self._caller_name]
+        self._host[self._caller_index] = addresses[self._caller_name] + self._caller_offset
         import_cupy().cuda.runtime.memcpyAsync(self.device.data.ptr, self._host_ptr, self._host.nbytes, _H2D,
                                                stream.ptr)
 
@@ -253,8 +256,13 @@ class Backward:
         self._gemm_group([(DY, O, "grad_output_weight", alpha(_DY, _O)),
                           (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
-        if transposed:  # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D
-            gemm([DK], [addr(self._wqkv_t, 4 * d)], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d,
+        if transposed:
+            # dT = [dK | dV] [Wk^T | Wv^T]^T, K = 2D, as two batched halves of its columns: as one
+            # product, cuBLAS ran 256 × 128 tiles for B·Nt = 77 rows (43 µs, against 11 µs halved;
+            # other row counts within ±5 µs either way: docs/perf-notes.md).
+            half = d // 2
+            gemm([DK, DK], [addr(self._wqkv_t, 4 * d), addr(self._wqkv_t, 4 * (half * 3 * d + d))],
+                 ["grad_text_embeddings", ("grad_text_embeddings", 4 * half)], m=mt, n=half, k=2 * d, lda=2 * d,
                  ldb=3 * d, ldc=d, trans_b=True, data_type=dtype, lane=1)
         elif self._scaler is not None:  # [Wk; Wv] is one fp16 copy: dT = [dK | dV] [Wk; Wv], one GEMM
             gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,

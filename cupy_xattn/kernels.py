@@ -9,9 +9,10 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
-from ._cupy import import_cupy
+from ._cupy import cache_dir, import_cupy
 
 _PACKAGE = Path(__file__).resolve().parent
 SOURCE_DIRS = (_PACKAGE / "kernels_cu", _PACKAGE.parent / "kernels_cu")
@@ -90,10 +91,30 @@ def get_kernel(filename, kernel_name, defines=None):
         disk (``CUPY_CACHE_DIR``), keyed on the full source text.
     """
     cupy = import_cupy()
-    key = (filename, tuple(sorted((defines or {}).items())), cupy.cuda.Device().id)
+    device = cupy.cuda.Device()
+    key = (filename, tuple(sorted((defines or {}).items())), device.id)
     if key not in _modules:
-        _modules[key] = cupy.RawModule(code=_with_defines(filename, defines), options=("-std=c++17",))
+        try:  # compiles now, through CuPy's disk cache
+            module = cupy.RawModule(code=_with_defines(filename, defines), options=("-std=c++17",))
+            module.get_function(kernel_name)
+        except OSError as exc:  # CuPy's cache folder cannot be read or written
+            warnings.warn(f"cupy_xattn: CuPy's kernel cache ({cache_dir()}) is not usable ({exc}); "
+                          f"compiling {filename} without it", RuntimeWarning, stacklevel=2)
+            module = _module_without_cache(filename, f"sm_{device.compute_capability}", defines)
+        _modules[key] = module
     return _modules[key].get_function(kernel_name)
+
+
+def _module_without_cache(filename, arch, defines):
+    """A RawModule of a cubin compiled here (loaded from a temporary file: a RawModule from a
+    path gives kernels with the same attributes as one from source)."""
+    cupy = import_cupy()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, filename + ".cubin")
+        Path(path).write_bytes(compile_cubin(filename, arch, defines))
+        module = cupy.RawModule(path=path)
+        module.module  # load it before the file goes  # noqa: B018
+    return module
 
 
 def compile_cubin(filename, arch, defines=None):

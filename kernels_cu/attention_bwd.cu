@@ -43,10 +43,11 @@
 #define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
 // Unrolling of the k loops of the warp products. The resident kernel (ATTN_KEYS > 0) keeps dK/dV
 // accumulators for all its keys: with these loops fully unrolled, the compiler hoisted the
-// fragment loads of later k steps and spilled 450–600 bytes a thread (NVRTC 13, 255 registers);
-// not unrolled, it uses 225 registers and spills nothing (2x4096x77 tf32: 165 → 145 µs, fp32
-// 3xTF32 867 → 283 µs on 64x128x77). The streamed kernel is faster fully unrolled (331 vs 364 µs).
-constexpr int kUnrollK = ATTN_KEYS ? 1 : 16;
+// fragment loads of later k steps and spilled 450–600 bytes a thread (NVRTC 13, 255 registers).
+// Unrolled by 2 it spills nothing (255 registers on the H200's NVRTC) and is faster than not
+// unrolled (tf32 64x128x77 155 → 142 µs; fp32 unchanged). The streamed kernel is faster fully
+// unrolled (331 vs 364 µs).
+constexpr int kUnrollK = ATTN_KEYS ? 2 : 16;
 // Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes the [row t][col g] fragment
 // reads of a warp (load_b, load_a_trans) hit 32 different banks; the [row g][col t] reads
 // (load_a, load_b_trans) are then 2-way conflicts (rows g and g + 4 share banks). No stride serves

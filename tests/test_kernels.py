@@ -1,4 +1,5 @@
 """Kernel sources: found, headers inlined, and every kernels_cu/*.cu compiles for Ampere and Hopper without a GPU."""
+import os
 import shutil
 
 import numpy
@@ -104,3 +105,81 @@ def test_get_kernel_runs_and_is_cached_per_defines(probe_dir):
     compiled = len(kernels._modules)
     kernels.get_kernel("probe.cu", "probe_scale_f32", {"PROBE_OFFSET": "1.5f"})
     assert len(kernels._modules) == compiled
+
+
+# -- CuPy's on-disk kernel cache (CUPY_CACHE_DIR) ------------------------------------------------
+
+_RUN_PROBE = """
+import sys
+from pathlib import Path
+import cupy, numpy
+from cupy_xattn import kernels
+kernels.SOURCE_DIRS = (Path(sys.argv[1]),)
+x = cupy.arange(8, dtype=cupy.float32)
+y = cupy.empty_like(x)
+kernels.get_kernel("probe.cu", "probe_scale_f32")((1,), (32,), (x, y, numpy.int32(8)))
+print(y.get().tolist())
+"""
+
+
+def _run_probe_process(probe_dir, cache):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUPY_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", _RUN_PROBE, str(probe_dir)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_an_unusable_cache_dir_at_import_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("cupy")
+    (tmp_path / "a_file").write_text("")
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "a_file" / "cache")}
+    done = subprocess.run([sys.executable, "-c", "from cupy_xattn._cupy import import_cupy; import_cupy()"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    # CuPy 14 creates the folder on import; an older CuPy that does not may import fine.
+    if done.returncode:
+        assert "point CUPY_CACHE_DIR at a folder that can be created and written" in done.stderr, done.stderr
+
+
+@pytest.mark.gpu
+def test_a_corrupted_cache_entry_is_recompiled(probe_dir, tmp_path):
+    cache = tmp_path / "cache"
+    expected = str([2.0 * i + 1 for i in range(8)])
+    assert _run_probe_process(probe_dir, cache) == expected
+    entries = [path for path in cache.iterdir() if path.is_file()]
+    assert entries, "the first run left nothing in the cache"
+    for path in entries:
+        path.write_bytes(b"not a cubin" * 10)
+    assert _run_probe_process(probe_dir, cache) == expected
+
+
+@pytest.mark.gpu
+def test_a_source_edit_recompiles(probe_dir, tmp_path):
+    cache = tmp_path / "cache"
+    assert _run_probe_process(probe_dir, cache) == str([2.0 * i + 1 for i in range(8)])
+    (probe_dir / "probe.cuh").write_text('#include "probe_inner.cuh"\n#define PROBE_SCALE 3.0f\n')
+    assert _run_probe_process(probe_dir, cache) == str([3.0 * i + 1 for i in range(8)])
+
+
+@pytest.mark.gpu
+def test_an_unwritable_cache_compiles_without_it(probe_dir, tmp_path, monkeypatch):
+    import cupy
+    from cupy.cuda import compiler
+
+    x = cupy.arange(100, dtype=cupy.float32)  # CuPy's own kernels need its cache: made before it breaks
+    y = cupy.full_like(x, numpy.nan)
+    (tmp_path / "a_file").write_text("")
+    # Writes into the cache now fail even for root (a folder under a regular file).
+    monkeypatch.setattr(compiler._kernel_cache_backend, "_cache_dir", str(tmp_path / "a_file" / "cache"))
+    monkeypatch.setattr(kernels, "_modules", {})
+    with pytest.warns(RuntimeWarning, match="kernel cache .* is not usable"):
+        kernel = kernels.get_kernel("probe.cu", "probe_scale_f32", {"PROBE_OFFSET": "0.25f"})
+    kernel.max_dynamic_shared_size_bytes  # a RawKernel, with its attributes  # noqa: B018
+    kernel((1,), (128,), (x, y, numpy.int32(x.size)))
+    cupy.testing.assert_allclose(y, 2 * x + 1.25)
