@@ -134,8 +134,15 @@ def render(result):
            f"H={settings.get('num_heads')}, {settings.get('warmup')} warm-ups, "
            f"{settings.get('reps')} timed repetitions, median (p20–p80) of CUDA-event times; "
            f"L2 flushed before each ({settings.get('flush_bytes')} bytes zeroed); "
-           f"{settings.get('input_sets')} input/output sets rotated; GPU idle at the start of "
-           f"each call, so launch gaps count. host µs = perf_counter around the Python call.",
+           f"{settings.get('input_sets')} input/output sets rotated; "
+           + (f"a lead kernel spins {settings['lead_cycles']:,} GPU cycles (~0.3 ms) before the flush, "
+              "so the host has issued the call before the timed span starts: the span is the GPU work "
+              "and the gaps between kernels (the harness's first-kernel-start to last-kernel-end); "
+              "eager rows whose host time exceeds the lead still show their later gaps"
+              if settings.get("lead_cycles") else
+              "GPU idle at the start of each call, so launch gaps and the host time before the "
+              "first launch count")
+           + ". host µs = perf_counter around the Python call.",
            "- TFLOP/s = (10·Mv·D² + 12·Mt·D² + 12·Mv·Nt·D) / time (WORKLOAD.md); "
            "\"of ceiling\" = TFLOP/s / this card's measured GEMM rate at that precision; "
            "× vs torch-tf32-graph = torch-tf32-graph time / cupy_xattn time (> 1: we are faster).",
