@@ -42,6 +42,7 @@ OUTPUT_NAMES = CrossAttentionGrads._fields
 
 _H2D = 1
 _LANES = 3  # the main stream and two forked streams
+_DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B·Nt (see _record)
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
@@ -257,12 +258,13 @@ class Backward:
                           (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
         if transposed:
-            # dT = [dK | dV] [Wk^T | Wv^T]^T, K = 2D, as two batched halves of its columns: as one
-            # product, cuBLAS ran 256 × 128 tiles for B·Nt = 77 rows (43 µs, against 11 µs halved;
-            # other row counts within ±5 µs either way: docs/perf-notes.md).
-            half = d // 2
-            gemm([DK, DK], [addr(self._wqkv_t, 4 * d), addr(self._wqkv_t, 4 * (half * 3 * d + d))],
-                 ["grad_text_embeddings", ("grad_text_embeddings", 4 * half)], m=mt, n=half, k=2 * d, lda=2 * d,
+            # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D; below _DT_SPLIT_ROWS rows as two
+            # batched halves of its columns: for B·Nt = 77 cuBLAS ran 256 × 128 tiles (43 µs against
+            # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
+            parts = 2 if mt < _DT_SPLIT_ROWS else 1
+            n = d // parts
+            gemm([DK] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
+                 [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
                  ldb=3 * d, ldc=d, trans_b=True, data_type=dtype, lane=1)
         elif self._scaler is not None:  # [Wk; Wv] is one fp16 copy: dT = [dK | dV] [Wk; Wv], one GEMM
             gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
