@@ -4,16 +4,17 @@ import sys
 
 import numpy
 
-from . import checks, plans
+from . import checks, forward, plans
 from ._cupy import import_cupy, require_gpu, to_numpy
 from .grads import INPUT_NAMES, CrossAttentionGrads
 
-__all__ = ["cross_attention_backward", "CrossAttentionGrads"]
+__all__ = ["cross_attention_backward", "cross_attention_forward", "CrossAttentionGrads"]
 
 
 def cross_attention_backward(grad_output, video_latents, text_embeddings, query_weight, query_bias,
                              key_weight, key_bias, value_weight, value_bias, output_weight, output_bias,
-                             scale=None, *, num_heads=16, precision="tf32", backend="cupy", out=None):
+                             scale=None, *, num_heads=16, precision="tf32", backend="cupy", out=None,
+                             text_lengths=None):
     """Backward pass of cross-attention from video latents (queries) to text embeddings (keys, values).
 
     Forward, recomputed here (nothing is saved from a forward pass)::
@@ -45,6 +46,10 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
     out : CrossAttentionGrads or sequence of 10 arrays, optional
         Preallocated float32 outputs; results are written into exactly these and returned.
         They may not overlap the inputs or each other.
+    text_lengths : (B,) ints, optional
+        Text tokens each sample attends to, 1..Nt: the rest are padding, with zero attention
+        and zero gradients. NumPy or a sequence is cheapest; a CuPy array is copied to the host
+        for the check (it waits for the work that writes it).
 
     All arrays are float32, NumPy or CuPy (or anything ``cupy.asarray`` takes zero-copy:
     ``__cuda_array_interface__``, DLPack). Inputs are never modified; non-contiguous ones are
@@ -68,15 +73,56 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
     """
     return run((grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
                 value_weight, value_bias, output_weight, output_bias),
-               scale=scale, num_heads=num_heads, precision=precision, backend=backend, out=out)
+               scale=scale, num_heads=num_heads, precision=precision, backend=backend, out=out,
+               text_lengths=text_lengths)
 
 
-def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
+def cross_attention_forward(video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
+                            value_weight, value_bias, output_weight, output_bias, scale=None, *, num_heads=16,
+                            precision="tf32", backend="cupy", text_lengths=None):
+    """Forward pass of the layer whose gradients ``cross_attention_backward`` computes::
+
+        Q = X Wq^T + bq    K = T Wk^T + bk    V = T Wv^T + bv       (num_heads heads)
+        Y = softmax(scale Q K^T) V Wo^T + bo
+
+    Arguments as in ``cross_attention_backward`` (without ``grad_output`` and ``out``);
+    ``precision`` is "tf32" or "fp32" on the CuPy backend (the fused attention never writes P).
+
+    Returns
+    -------
+    (B, Nv, D) float32 array: NumPy when every input is a NumPy array, CuPy otherwise.
+    """
+    caller = "cross_attention_forward"
+    arrays = checks.as_arrays(dict(zip(INPUT_NAMES[1:], (
+        video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias, value_weight, value_bias,
+        output_weight, output_bias))), caller)
+    problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision, backend=backend,
+                              out=None, caller=caller)
+    if backend == "cupy" and precision not in forward.PRECISIONS:
+        raise ValueError(f"{caller}: precision {precision!r} is not supported by the forward; use one of "
+                         f"{', '.join(map(repr, forward.PRECISIONS))}")
+    lengths = checks.text_lengths(text_lengths, problem.batch_size, problem.num_text_tokens, caller)
+    on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
+    if backend == "numpy":
+        from . import reference
+        y = reference.forward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads,
+                              text_lengths=lengths).astype(numpy.float32)
+        return y if on_host else import_cupy().asarray(y)
+    cupy = require_gpu()
+    from .attention_bwd import check_head_dim
+    check_head_dim(problem)
+    devices = [a.device.id for a in arrays.values() if not isinstance(a, numpy.ndarray)]
+    with cupy.cuda.Device(devices[0]) if devices else contextlib.nullcontext():
+        y = forward.run(problem, tuple(_contiguous_aligned(cupy, a) for a in arrays.values()), precision, lengths)
+        return cupy.asnumpy(y) if on_host else y
+
+
+def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None, plan=None):
     """``cross_attention_backward`` on the 11 ``inputs`` in argument order.
 
     ``plan`` (a ``plans.Plan``) runs the GPU work instead of the cache's plan for the shape.
     """
-    if "cupy" in sys.modules:  # CuPy arrays are only possible once CuPy is imported
+    if "cupy" in sys.modules and text_lengths is None:  # CuPy arrays only exist once CuPy is imported
         problem = checks.fast_validate(inputs, scale=scale, num_heads=num_heads, precision=precision,
                                        backend=backend, out=out)
         if problem is not None and (plan is None or plan.matches(problem[0], precision)):
@@ -87,16 +133,18 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
     out = checks.as_out(out)
     problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,
                               backend=backend, out=out)
+    lengths = checks.text_lengths(text_lengths, problem.batch_size, problem.num_text_tokens)
     on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
     devices = [a.device.id for a in (*arrays.values(), *(out or ())) if not isinstance(a, numpy.ndarray)]
     # Work on the GPU that holds the caller's CuPy arrays, whatever the current device is.
     with import_cupy().cuda.Device(devices[0]) if devices else contextlib.nullcontext():
         if backend == "numpy":
             from . import reference
-            grads = reference.backward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads)
+            grads = reference.backward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads,
+                                       text_lengths=lengths)
             results = CrossAttentionGrads(*(g.astype(numpy.float32) for g in grads))
         else:
-            results = _run_on_gpu(problem, arrays, precision, out, plan)
+            results = _run_on_gpu(problem, arrays, precision, out, plan, lengths)
 
         if out is not None:
             for buffer, result in zip(out, results):
@@ -108,7 +156,7 @@ def run(inputs, *, scale, num_heads, precision, backend, out, plan=None):
         return CrossAttentionGrads(*map(import_cupy().asarray, results))
 
 
-def _run_on_gpu(problem, arrays, precision, out, plan):
+def _run_on_gpu(problem, arrays, precision, out, plan, text_lengths):
     cupy = require_gpu()
     if plan is None:
         plan = plans.cached(problem, precision)
@@ -121,7 +169,8 @@ def _run_on_gpu(problem, arrays, precision, out, plan):
     inputs = tuple(_contiguous_aligned(cupy, a) for a in arrays.values())
     # The GPU code writes straight into the caller's buffers only when it can.
     direct = out is not None and all(isinstance(o, cupy.ndarray) and o.flags.c_contiguous for o in out)
-    return plan.launch(inputs, problem.scale, CrossAttentionGrads(*out) if direct else None)
+    return plan.launch(inputs, problem.scale, CrossAttentionGrads(*out) if direct else None,
+                       text_lengths=text_lengths)
 
 
 def _contiguous_aligned(cupy, array):

@@ -16,7 +16,8 @@ BLOCK_KV = 32         # keys per streamed tile (attn_bwd)
 #: block per SM, half the dK/dV accumulators per warp). 64 is faster in every mode since the
 #: kernel stopped spilling (docs/perf-notes.md; scripts/attention_variants.py compares both).
 RESIDENT_BLOCK_Q = 64
-HEAD_DIM = 64
+#: head dimensions the kernels are built for (ATTN_HEAD_DIM); the resident kernel is 64 only.
+HEAD_DIMS = (64, 128)
 #: up to this many text tokens, attn_bwd_resident keeps all keys and values in shared memory
 #: and takes one pass per query tile; longer texts are streamed by attn_bwd in two passes.
 RESIDENT_MAX_KEYS = 80
@@ -27,25 +28,28 @@ def _padded(n, multiple):
     return -(-n // multiple) * multiple
 
 
-def kernel_choice(num_text_tokens, precision):
+def kernel_choice(num_text_tokens, precision, head_dim=64):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
-    for this text length.
+    for this text length and head_dim.
 
     Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
     the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
-    (batch, head) pair: each extra chunk costs a dK/dV partial to reduce.
+    (batch, head) pair: each extra chunk costs a dK/dV partial to reduce. head_dim 128 always
+    streams (the resident kernel's dK/dV accumulators would double), one block per SM.
     """
-    if num_text_tokens <= RESIDENT_MAX_KEYS:
+    row = head_dim + 8
+    if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
-        smem = 4 * (2 * keys * (HEAD_DIM + 8) + 2 * rows * (HEAD_DIM + 8) + rows * (_padded(keys, 32) + 8))
+        smem = 4 * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
-    smem = 4 * (2 * BLOCK_Q * (HEAD_DIM + 8) + 2 * BLOCK_KV * (HEAD_DIM + 8) + BLOCK_Q * (BLOCK_KV + 8))
-    return "attn_bwd", 0, BLOCK_Q, smem, 2 if precision == "fp32" else 3  # ATTN_MIN_BLOCKS in the source
+    smem = 4 * (2 * BLOCK_Q * row + 2 * BLOCK_KV * row + BLOCK_Q * (BLOCK_KV + 8))
+    blocks = 1 if head_dim > 64 else 2 if precision == "fp32" else 3  # ATTN_MIN_BLOCKS in the source
+    return "attn_bwd", 0, BLOCK_Q, smem, blocks
 
 
 def check_head_dim(problem):
-    if problem.head_dim != HEAD_DIM:
-        raise ValueError(f"the CuPy backend supports head_dim {HEAD_DIM}; got hidden size "
+    if problem.head_dim not in HEAD_DIMS:
+        raise ValueError(f"the CuPy backend supports head_dim {' or '.join(map(str, HEAD_DIMS))}; got hidden size "
                          f"{problem.hidden_size} / {problem.num_heads} heads = head_dim {problem.head_dim}")
 
 
@@ -64,7 +68,7 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, b
 def launch_layout(problem, precision, sm_count):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM, n_chunks,
     tiles_per_chunk) for ``problem``."""
-    name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision)
+    name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim)
     return (name, keys, rows, smem, blocks_per_sm,
             *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count, blocks_per_sm, rows))
 
@@ -92,7 +96,7 @@ class AttentionBackward:
         name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk = launch_layout(
             problem, precision, sm_count)
         self._threads = rows // 16 * 32
-        defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": HEAD_DIM,
+        defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": problem.head_dim,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm}
         self._main = kernels.get_kernel(SOURCE, name, defines)
@@ -105,10 +109,11 @@ class AttentionBackward:
         n_text_rows = problem.batch_size * problem.num_text_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
                           if self.n_chunks > 1 else None)
+        self._all_keys = cupy.full(problem.batch_size, problem.num_text_tokens, numpy.int32)  # no padding
         n4 = n_text_rows * 2 * problem.hidden_size // 4  # float4s of dK|dV, each summed over the chunks
         self._reduce_grid = (max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),)
 
-    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv):
+    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None):
         """Launch on the current stream.
 
         Parameters
@@ -119,14 +124,17 @@ class AttentionBackward:
         dout : (B·Nv, D) float32, dO = dY Wo.
         o, dq : (B·Nv, D) float32 outputs: the attention output O and dQ.
         dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D).
+        text_lengths : (B,) int32 device array, optional
+            Text tokens each sample attends to (1..Nt); default: all of them.
         """
         p = self.problem
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
             (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
-             numpy.int32(p.num_video_tokens), numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size),
-             numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale)),
+             self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
+             numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self.tiles_per_chunk),
+             numpy.float32(p.scale)),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),

@@ -117,6 +117,10 @@ class Backward:
         self._attention = AttentionBackward(problem, precision, sm_count)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         self._o, self._dq, self._dkv = f32(mv, d), f32(mv, d), f32(mt, 2 * d)
+        # Text tokens each sample attends to, rewritten by bind() when the caller pads its texts.
+        self._all_keys = numpy.full(b, nt, numpy.int32)
+        self._text_lengths = cupy.full(b, nt, numpy.int32)
+        self._padded = False
         self._ones = cupy.ones(max(mv, mt), numpy.float32)
         self._constants = cupy.array([0.0, 1.0], numpy.float32)  # beta = 0, beta = alpha = 1
         self._lanes = [stream] + [cupy.cuda.Stream(non_blocking=True) for _ in range(_LANES - 1)]
@@ -240,7 +244,8 @@ class Backward:
         # Steps close over what they use, not over self: an evicted plan is freed at once
         # (no reference cycle waiting for the garbage collector).
         biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
-        attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv)
+        attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv,
+                                               self._text_lengths)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
         if self._scaler is not None:
             self._record_conversions(stage_b)
@@ -295,9 +300,17 @@ class Backward:
 
     # -- running -----------------------------------------------------------------------------
 
-    def bind(self, addresses, stream):
-        """Point the steps at the caller's arrays (addresses: uint64, INPUT_NAMES then OUTPUT_NAMES)."""
+    def bind(self, addresses, stream, text_lengths=None):
+        """Point the steps at the caller's arrays (addresses: uint64, INPUT_NAMES then OUTPUT_NAMES)
+        and, when ``text_lengths`` (validated (B,) int32 NumPy) is given or was last time, write the
+        text lengths the attention reads. Both copies are ordered on ``stream`` before the run."""
         self._table.bind(addresses, stream)
+        if text_lengths is not None or self._padded:
+            lengths = numpy.ascontiguousarray(self._all_keys if text_lengths is None else text_lengths, numpy.int32)
+            # From pageable memory: staged before the call returns, so ``lengths`` may go at once.
+            import_cupy().cuda.runtime.memcpyAsync(self._text_lengths.data.ptr, lengths.ctypes.data, lengths.nbytes,
+                                                   _H2D, stream.ptr)
+            self._padded = text_lengths is not None
 
     def run(self, timer=None):
         """Issue every step on its lane (directly, or into a graph being captured on ``self.stream``).

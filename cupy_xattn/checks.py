@@ -77,7 +77,7 @@ def _unsupported(name, obj):
             "(or an object with __cuda_array_interface__ or DLPack)")
 
 
-def as_arrays(named):
+def as_arrays(named, caller="cross_attention_backward"):
     """Wrap each value of ``named`` (name -> array-like) as a NumPy or CuPy array, zero-copy.
 
     Raises
@@ -88,7 +88,7 @@ def as_arrays(named):
     arrays = {name: _as_array(obj) for name, obj in named.items()}
     bad = [_unsupported(name, named[name]) for name, array in arrays.items() if array is None]
     if bad:
-        raise TypeError(_message("unsupported array types", bad))
+        raise TypeError(_message("unsupported array types", bad, caller))
     return arrays
 
 
@@ -102,8 +102,8 @@ def as_out(out):
     return CrossAttentionGrads(*as_arrays(dict(zip(names, out))).values())
 
 
-def _message(title, problems):
-    return f"cross_attention_backward: {title}:\n" + "\n".join(f"  - {p}" for p in problems)
+def _message(title, problems, caller="cross_attention_backward"):
+    return f"{caller}: {title}:\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 def _is_int(value):
@@ -220,18 +220,56 @@ def _outputs_overlap(starts, first_output, nbytes):
     return False
 
 
+def text_lengths(value, batch_size, text_tokens, caller="cross_attention_backward"):
+    """``text_lengths`` as a (B,) int32 NumPy array, or None when not given.
+
+    Accepts NumPy or CuPy integer arrays and sequences of ints (a CuPy array is copied to the
+    host, which waits for the work that writes it).
+
+    Raises
+    ------
+    TypeError
+        Not an array or sequence of integers.
+    ValueError
+        Not one length per sample, or a length outside [1, Nt].
+    """
+    if value is None:
+        return None
+    array = value
+    if not isinstance(value, numpy.ndarray):
+        if hasattr(value, "__cuda_array_interface__"):
+            array = import_cupy().asnumpy(value)
+        elif isinstance(value, (list, tuple)):
+            array = numpy.asarray(value)
+        else:
+            raise TypeError(_message("invalid argument types", [
+                f"text_lengths is a {type(value).__name__}; expected an integer array or a sequence of ints"], caller))
+    if array.dtype.kind not in "iu":
+        raise TypeError(_message("invalid argument types", [f"text_lengths has dtype {array.dtype}; expected integers"],
+                                 caller))
+    if array.shape != (batch_size,):
+        raise ValueError(_message("invalid arguments", [
+            f"text_lengths has shape {array.shape}, expected (B,) = ({batch_size},): one length per sample"], caller))
+    if batch_size and (array.min() < 1 or array.max() > text_tokens):
+        raise ValueError(_message("invalid arguments", [
+            f"text_lengths must lie in [1, Nt] = [1, {text_tokens}]; got {array.min()}..{array.max()}"], caller))
+    return array.astype(numpy.int32)
+
+
 def _show(symbols, dims):
     return f"({', '.join(symbols)}{',' if len(symbols) == 1 else ''}) = {tuple(dims.get(s, '?') for s in symbols)}"
 
 
-def validate(arrays, *, scale, num_heads, precision, backend, out):
+def validate(arrays, *, scale, num_heads, precision, backend, out, caller="cross_attention_backward"):
     """Check one call's arguments and return its sizes.
 
     Parameters
     ----------
     arrays : dict
         Name -> NumPy or CuPy array (anything with ``shape``, ``dtype`` and, on a GPU,
-        ``device.id`` and ``data.ptr``), the 11 inputs in the public order (``INPUT_NAMES``).
+        ``device.id`` and ``data.ptr``): the 11 inputs in the public order (``INPUT_NAMES``), or
+        the forward's 10 (all but grad_output).
+    caller : the public function named in the messages.
     scale : float or None
     num_heads : int
     precision : {"fp32", "tf32", "fp16"}
@@ -260,7 +298,7 @@ def validate(arrays, *, scale, num_heads, precision, backend, out):
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         type_problems.append(f"scale must be a real number or None, got {type(scale).__name__}")
     if type_problems:
-        raise TypeError(_message("invalid argument types", type_problems))
+        raise TypeError(_message("invalid argument types", type_problems, caller))
 
     problems = []
     if precision not in PRECISIONS:
@@ -269,7 +307,7 @@ def validate(arrays, *, scale, num_heads, precision, backend, out):
         problems.append(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
     dims = {}
-    for name in _SIZE_SOURCES:
+    for name in filter(arrays.__contains__, _SIZE_SOURCES):
         symbols, shape = INPUT_SHAPES[name], tuple(arrays[name].shape)
         if len(shape) == len(symbols):
             for symbol, size in zip(symbols, shape):
@@ -317,7 +355,7 @@ def validate(arrays, *, scale, num_heads, precision, backend, out):
                      for name, a in others if _overlap(o, a)]
 
     if problems:
-        raise ValueError(_message("invalid arguments", problems))
+        raise ValueError(_message("invalid arguments", problems, caller))
 
     head_dim = hidden_size // num_heads
     return Problem(dims["B"], dims["Nv"], dims["Nt"], hidden_size, num_heads, head_dim,

@@ -93,7 +93,7 @@ class Plan:
 
     def __call__(self, grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
                  key_bias, value_weight, value_bias, output_weight, output_bias, scale=None, *,
-                 num_heads=None, precision=None, backend="cupy", out=None):
+                 num_heads=None, precision=None, backend="cupy", out=None, text_lengths=None):
         if num_heads not in (None, self.num_heads) or precision not in (None, self.precision) or backend != "cupy":
             raise ValueError(f"this plan computes num_heads={self.num_heads}, precision={self.precision!r} on "
                              f"backend 'cupy'; got num_heads={num_heads!r}, precision={precision!r}, "
@@ -102,13 +102,13 @@ class Plan:
         return api.run((grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight,
                         key_bias, value_weight, value_bias, output_weight, output_bias),
                        scale=scale, num_heads=self.num_heads, precision=self.precision, backend="cupy", out=out,
-                       plan=self)
+                       text_lengths=text_lengths, plan=self)
 
-    def launch(self, inputs, scale, out=None, addresses=None):
+    def launch(self, inputs, scale, out=None, addresses=None, text_lengths=None):
         """Run on validated C-contiguous float32 CuPy ``inputs``; fills ``out`` or fresh arrays.
 
         ``addresses``: the inputs' data pointers (then the outputs', with ``out``), if the caller
-        has them already.
+        has them already. ``text_lengths``: validated (B,) int32 NumPy array, or None (no padding).
         """
         cupy = import_cupy()
         if addresses is None:
@@ -131,7 +131,7 @@ class Plan:
                 # order of that stream, so an evicted recording cannot be overwritten mid-replay.
                 with stream:
                     program = self._record(scale)
-            program.bind(addresses, stream)
+            program.bind(addresses, stream, text_lengths)
             if graph is None:
                 graph = self._first_run(program, stream)
             elif graph is _UNCAPTURED:
@@ -240,7 +240,7 @@ def plan(batch_size, num_video_tokens, num_text_tokens, *, hidden_size=1024, num
     batch_size, num_video_tokens, num_text_tokens : int
         B, Nv, Nt of the calls it will serve.
     hidden_size, num_heads : int
-        D and H (head_dim = D / H must be 64 for the CuPy backend).
+        D and H (head_dim = D / H must be 64 or 128 for the CuPy backend).
     precision : "fp32", "tf32" or "fp16"
     stream : cupy.cuda.Stream, optional
         Stream to order the work on; default: the current stream at each call.

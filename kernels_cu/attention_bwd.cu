@@ -11,6 +11,8 @@
 //   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D))
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
+//   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
+//                     dK and dV rows come out 0 (every row of dkv_part is still written)
 //
 // Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
 // [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
@@ -19,296 +21,31 @@
 // are finished by the block (over its query rows) and added into its own slice of dkv_part —
 // plain stores, no atomics, so results are deterministic.
 //
-// Matrix products use mma.sync m16n8k8 TF32 with fp32 accumulation. ATTN_SPLIT3 = 1 gives the
-// fp32 mode: each operand x = big + small (big = tf32(x), small = tf32(x − big)), and a·b is
-// big·big + big·small + small·big, which restores about fp32 accuracy (see mma()).
+// The products, the knobs (ATTN_BLOCK_Q, ATTN_BLOCK_KV, ATTN_HEAD_DIM, ATTN_SPLIT3) and the tile
+// helpers are in attention_common.cuh.
 
-#ifndef ATTN_BLOCK_Q
-#define ATTN_BLOCK_Q 64
-#endif
-#ifndef ATTN_BLOCK_KV
-#define ATTN_BLOCK_KV 32
-#endif
-#ifndef ATTN_HEAD_DIM
-#define ATTN_HEAD_DIM 64
-#endif
-#ifndef ATTN_SPLIT3
-#define ATTN_SPLIT3 0
-#endif
 // Keys kept resident by attn_bwd_resident (0: that kernel is not compiled).
 #ifndef ATTN_KEYS
 #define ATTN_KEYS 0
 #endif
 
-#define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
 // Unrolling of the k loops of the warp products. The resident kernel (ATTN_KEYS > 0) keeps dK/dV
 // accumulators for all its keys: with these loops fully unrolled, the compiler hoisted the
 // fragment loads of later k steps and spilled 450–600 bytes a thread (NVRTC 13, 255 registers).
 // Unrolled by 2 it spills nothing (255 registers on the H200's NVRTC) and is faster than not
 // unrolled (tf32 64x128x77 155 → 142 µs; fp32 unchanged). The streamed kernel is faster fully
 // unrolled (331 vs 364 µs).
-constexpr int kUnrollK = ATTN_KEYS ? 2 : 16;
-// Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes the [row t][col g] fragment
-// reads of a warp (load_b, load_a_trans) hit 32 different banks; the [row g][col t] reads
-// (load_a, load_b_trans) are then 2-way conflicts (rows g and g + 4 share banks). No stride serves
-// both orders: fragment-ordered layouts (or ldmatrix) would.
-#define LD_HD (ATTN_HEAD_DIM + 8)
-#define LD_KV (ATTN_BLOCK_KV + 8)
-
-static_assert(ATTN_BLOCK_Q % 16 == 0, "a warp owns 16 query rows");
-static_assert(ATTN_BLOCK_KV % 16 == 0, "key/value tiles are whole 16-row mma tiles");
-static_assert(ATTN_HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
+#define ATTN_UNROLL_K (ATTN_KEYS ? 2 : 16)
+#include "attention_common.cuh"
 
 namespace {
-
-// −∞ without <cmath> (NVRTC has no toolkit headers by default).
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ unsigned tf32_bits(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-__device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const unsigned b[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// c += a·b on fp32 fragments: one TF32 product, or, for the error-compensated split, big·big
-// into c and the two correction terms into c_lo. The tensor cores truncate the accumulator when
-// they add, so the corrections get an accumulator of their own, of their own (small) magnitude;
-// fold() adds it in once the products are done. Without the split c_lo is unused.
-__device__ __forceinline__ void mma(float c[4], float c_lo[4], const float a[4], const float b[2]) {
-    unsigned ab[4], bb[2];
-#if ATTN_SPLIT3
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ab[i] = tf32_bits(a[i]);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) bb[i] = tf32_bits(b[i]);
-    unsigned as[4], bs[2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) as[i] = tf32_bits(a[i] - __uint_as_float(ab[i]));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) bs[i] = tf32_bits(b[i] - __uint_as_float(bb[i]));
-    mma_tf32(c_lo, as, bb);
-    mma_tf32(c_lo, ab, bs);
-#else
-    // Already TF32: to_operand() rounded them when they were written to shared memory.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ab[i] = __float_as_uint(a[i]);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) bb[i] = __float_as_uint(b[i]);
-#endif
-    mma_tf32(c, ab, bb);
-}
-
-// Every operand goes through shared memory; it is rounded to TF32 once there, not at each of
-// its uses (a cvt per fragment element per mma cost more issue slots than the mma itself).
-// The split mode keeps fp32 in shared memory and splits in mma().
-__device__ __forceinline__ float to_operand(float x) {
-#if ATTN_SPLIT3
-    return x;
-#else
-    return __uint_as_float(tf32_bits(x));
-#endif
-}
-
-template <int NT>
-__device__ __forceinline__ void fold(float c[NT][4], const float c_lo[NT][4]) {
-#if ATTN_SPLIT3
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) c[n][i] += c_lo[n][i];
-#endif
-}
-
-// Split mode: acc += hi + lo in fp32 (round to nearest). A running sum over many key tiles kept
-// in a tensor-core accumulator would be truncated at every step, a bias that the row sums of
-// dWo and dWq would pile up; so each tile's product gets fresh accumulators.
-template <int NT>
-__device__ __forceinline__ void add_tile(float acc[NT][4], const float hi[NT][4], const float lo[NT][4]) {
-#if ATTN_SPLIT3
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[n][i] += hi[n][i] + lo[n][i];
-#endif
-}
-
-template <int NT>
-__device__ __forceinline__ void zero(float c[NT][4]) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-}
-
-// Fragment loads from shared memory (g = lane / 4, t = lane % 4, PTX m16n8k8 .tf32 layouts).
-// A(r, k) = M[r][k]
-__device__ __forceinline__ void load_a(float a[4], const float* m, int ld, int r0, int k0, int g, int t) {
-    a[0] = m[(r0 + g) * ld + k0 + t];
-    a[1] = m[(r0 + g + 8) * ld + k0 + t];
-    a[2] = m[(r0 + g) * ld + k0 + t + 4];
-    a[3] = m[(r0 + g + 8) * ld + k0 + t + 4];
-}
-// A(r, k) = M[k][r]
-__device__ __forceinline__ void load_a_trans(float a[4], const float* m, int ld, int r0, int k0, int g, int t) {
-    a[0] = m[(k0 + t) * ld + r0 + g];
-    a[1] = m[(k0 + t) * ld + r0 + g + 8];
-    a[2] = m[(k0 + t + 4) * ld + r0 + g];
-    a[3] = m[(k0 + t + 4) * ld + r0 + g + 8];
-}
-// B(k, n) = M[k][n]
-__device__ __forceinline__ void load_b(float b[2], const float* m, int ld, int k0, int n0, int g, int t) {
-    b[0] = m[(k0 + t) * ld + n0 + g];
-    b[1] = m[(k0 + t + 4) * ld + n0 + g];
-}
-// B(k, n) = M[n][k]
-__device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld, int k0, int n0, int g, int t) {
-    b[0] = m[(n0 + g) * ld + k0 + t];
-    b[1] = m[(n0 + g) * ld + k0 + t + 4];
-}
-
-// Copy rows [row0, row0 + ROWS) of a head's 64 columns into shared memory, adding a bias
-// (may be null); rows at or past n_valid become zeros so padded rows contribute nothing.
-// Every load of a thread is issued before the first store: one global-memory latency per
-// tile instead of one per row group (the stores to shared memory would otherwise wait).
-template <int ROWS>
-__device__ __forceinline__ void load_tile(float* dst, const float* __restrict__ src, long long ld_src,
-                                          int row0, int n_valid, const float* __restrict__ bias) {
-    constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, N = ROWS * VEC_PER_ROW;
-    constexpr int PER_THREAD = (N + ATTN_THREADS - 1) / ATTN_THREADS;
-    static_assert(ATTN_THREADS % VEC_PER_ROW == 0, "a thread keeps its column across its rows");
-    const int c = (threadIdx.x % VEC_PER_ROW) * 4, r_first = threadIdx.x / VEC_PER_ROW;
-    constexpr int R_STEP = ATTN_THREADS / VEC_PER_ROW;
-    float4 v[PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-        const int r = r_first + j * R_STEP;
-        v[j] = (r < ROWS && row0 + r < n_valid)
-                   ? *reinterpret_cast<const float4*>(src + (long long)(row0 + r) * ld_src + c)
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    const float4 b = bias ? *reinterpret_cast<const float4*>(bias + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-        const int r = r_first + j * R_STEP;
-        if (r >= ROWS) break;
-        const bool valid = row0 + r < n_valid;
-        const float4 x = v[j];
-        *reinterpret_cast<float4*>(dst + r * LD_HD + c) =
-            valid ? make_float4(to_operand(x.x + b.x), to_operand(x.y + b.y), to_operand(x.z + b.z),
-                                to_operand(x.w + b.w))
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-}
-
-// c = A B^T for this warp's 16 rows of A (a_s) and the first NT·8 rows of B (b_s), both
-// row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T.
-template <int NT>
-__device__ __forceinline__ void rows_times_t(float c[NT][4], const float* a_s, const float* b_s, int r0, int g,
-                                             int t) {
-    float c_lo[NT][4];
-    zero<NT>(c);
-    zero<NT>(c_lo);
-#pragma unroll kUnrollK
-    for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
-        float a[4];
-        load_a(a, a_s, LD_HD, r0, k, g, t);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            float b[2];
-            load_b_trans(b, b_s, LD_HD, k, n * 8, g, t);
-            mma(c[n], c_lo[n], a, b);
-        }
-    }
-    fold<NT>(c, c_lo);
-}
-
-// acc += the products that products(hi, lo) issues through mma(hi[n], lo[n], …): in TF32 they
-// accumulate in place (hi is acc); the split mode gives them fresh accumulators, added to acc
-// in fp32 by add_tile.
-template <int NT, typename Products>
-__device__ __forceinline__ void accumulate(float (&acc)[NT][4], Products products) {
-    float lo[NT][4];
-    zero<NT>(lo);
-#if ATTN_SPLIT3
-    float hi[NT][4];
-    zero<NT>(hi);
-#else
-    float (&hi)[NT][4] = acc;
-#endif
-    products(hi, lo);
-    add_tile<NT>(acc, hi, lo);
-}
-
-// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and B (v_s or
-// k_s: [K][head_dim]): O += P V and dQ += dS K.
-template <int K>
-__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s, int ld_p,
-                                               const float* b_s, int r0, int g, int t) {
-    constexpr int NT = ATTN_HEAD_DIM / 8;
-    accumulate<NT>(acc, [&](float (&hi)[NT][4], float (&lo)[NT][4]) {
-#pragma unroll kUnrollK
-        for (int k = 0; k < K; k += 8) {
-            float a[4];
-            load_a(a, p_s, ld_p, r0, k, g, t);
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                float b[2];
-                load_b(b, b_s, LD_HD, k, n * 8, g, t);
-                mma(hi[n], lo[n], a, b);
-            }
-        }
-    });
-}
-
-// S for NT·8 keys from kv0, scaled to log2 units, keys past n_text masked to −inf.
-template <int NT>
-__device__ __forceinline__ void score_tile(float s[NT][4], const float* q_s, const float* k_s, int r0, int kv0,
-                                           int n_text, float scale_log2, int g, int t) {
-    rows_times_t<NT>(s, q_s, k_s, r0, g, t);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int col = kv0 + n * 8 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const bool valid = col + (i & 1) < n_text;
-            s[n][i] = valid ? s[n][i] * scale_log2 : neg_inf();
-        }
-    }
-}
-
-// Store a warp's 16-row accumulator tile (C layout) to shared memory, as mma operands.
-template <int NT>
-__device__ __forceinline__ void store_acc(float* m, int ld, int r0, const float c[NT][4], int g, int t) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        *reinterpret_cast<float2*>(m + (r0 + g) * ld + n * 8 + 2 * t) =
-            make_float2(to_operand(c[n][0]), to_operand(c[n][1]));
-        *reinterpret_cast<float2*>(m + (r0 + g + 8) * ld + n * 8 + 2 * t) =
-            make_float2(to_operand(c[n][2]), to_operand(c[n][3]));
-    }
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // The A^T B products (dV = P^T dO, dK = dS^T Q) over the block's ATTN_BLOCK_Q query rows, for
 // KEYS keys: A is the P or dS tile ([rows][ld_p] in p_s), B the dO or Q tile. Their 16 × 8 output
 // tiles are dealt to warps by columns: a warp owns head-dim columns [warp·NPW·8, +NPW·8) of every
 // key tile, so at each k step its B fragments serve all KT key tiles and each A fragment its NPW
-// column tiles (2.4 fragment loads per mma instead of 6: shared-memory bandwidth bounds these
-// products), and its KT·NPW accumulators are independent mma chains. Tile j of a warp is key
+// column tiles (2.4 shared-memory fragment loads per mma instead of 6), and its KT·NPW
+// accumulators are independent mma chains. Tile j of a warp is key
 // tile j / NPW, column tile warp·NPW + j % NPW.
 template <int KEYS>
 struct TransposedTiles {
@@ -397,26 +134,13 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
     return h;
 }
 
-// Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result.
-__device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows,
-                                           const float c[ATTN_HEAD_DIM / 8][4], int g, int t) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + g + 8 * h;
-        if (row < n_rows) {
-#pragma unroll
-            for (int n = 0; n < ATTN_HEAD_DIM / 8; ++n)
-                *reinterpret_cast<float2*>(dst + (long long)row * ld + n * 8 + 2 * t) =
-                    make_float2(c[n][2 * h], c[n][2 * h + 1]);
-        }
-    }
-}
-
 }  // namespace
 
 // Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
-// accumulators do not fit that, and it runs two.
-#if ATTN_SPLIT3
+// accumulators do not fit that, and it runs two. With head_dim 128 one block fills the shared memory.
+#if ATTN_HEAD_DIM > 64
+#define ATTN_MIN_BLOCKS 1
+#elif ATTN_SPLIT3
 #define ATTN_MIN_BLOCKS 2
 #else
 #define ATTN_MIN_BLOCKS 3
@@ -425,7 +149,8 @@ __device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, i
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
 attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const float* const* __restrict__ biases,
          const float* __restrict__ dout, float* __restrict__ o, float* __restrict__ dq,
-         float* __restrict__ dkv_part, int n_video, int n_text, int hidden, int tiles_per_chunk, float scale) {
+         float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
+         int tiles_per_chunk, float scale) {
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
     float* q_s = reinterpret_cast<float*>(smem4);          // [ATTN_BLOCK_Q][LD_HD]
@@ -441,6 +166,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     const float* bk = biases[1] + col;
     const float* bv = biases[2] + col;
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden);
+    const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
     const float scale_log2 = scale * 1.4426950408889634f;
@@ -470,7 +196,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
             __syncthreads();
             float s[NT_KV][4], dp[NT_KV][4];
-            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2, g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
             float corr[2];
 #pragma unroll
@@ -478,7 +204,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
                 float mx = m_run[h];
 #pragma unroll
                 for (int n = 0; n < NT_KV; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-                mx = quad_max(mx);  // finite: every tile holds at least one valid key
+                mx = quad_max(mx);  // finite: key 0 is valid, and the running max carries over
                 corr[h] = exp2f(m_run[h] - mx);
                 m_run[h] = mx;
                 float sum = 0.f, dot = 0.f;
@@ -533,7 +259,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
             __syncthreads();
             float p[NT_KV][4];
-            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_text, scale_log2, g, t);
+            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, scale_log2, g, t);
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
@@ -582,7 +308,8 @@ static_assert(ATTN_KEYS % 16 == 0, "the resident keys are whole 16-row mma tiles
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_RESIDENT_MIN_BLOCKS)
 attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   const float* const* __restrict__ biases, const float* __restrict__ dout, float* __restrict__ o,
-                  float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text, int hidden,
+                  float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
+                  int n_video, int n_text, int hidden,
                   int tiles_per_chunk, float scale) {
     constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8;
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
@@ -596,6 +323,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden);
+    const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
     const float scale_log2 = scale * 1.4426950408889634f;
@@ -625,7 +353,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 
         // P = softmax(S) exactly, from the whole row.
         float p[NT_K][4];
-        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_text, scale_log2, g, t);
+        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, scale_log2, g, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = neg_inf();

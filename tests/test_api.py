@@ -81,8 +81,8 @@ def mocked_gpu(monkeypatch):
         def __init__(self, problem, precision):
             self.problem, self.precision = problem, precision
 
-        def launch(self, inputs, scale, out):
-            calls.append((self.problem, inputs, self.precision, out))
+        def launch(self, inputs, scale, out, text_lengths=None):
+            calls.append((self.problem, inputs, self.precision, out, text_lengths))
             grads = _expected(dict(zip(cupy_xattn.grads.INPUT_NAMES, inputs)), scale)
             if out is None:
                 return CrossAttentionGrads(*grads)
@@ -100,9 +100,9 @@ def test_gpu_backend_gets_the_problem_and_contiguous_inputs(inputs, mocked_gpu):
     before = _digest(odd.values())
     grads = cross_attention_backward(**odd, num_heads=H, precision="fp16")
     _assert_equal(grads, _expected(inputs))
-    [(problem, gpu_inputs, precision, out)] = mocked_gpu
+    [(problem, gpu_inputs, precision, out, lengths)] = mocked_gpu
     assert problem == Problem(2, 7, 5, 16, H, 4, 0.5)
-    assert precision == "fp16" and out is None
+    assert precision == "fp16" and out is None and lengths is None
     assert len(gpu_inputs) == 11 and all(a.flags.c_contiguous and a.dtype == numpy.float32 for a in gpu_inputs)
     assert _digest(odd.values()) == before
 
@@ -140,3 +140,40 @@ def test_import_needs_neither_cupy_nor_a_gpu():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == cupy_xattn.__version__
+
+
+def test_text_lengths_make_each_sample_attend_to_its_own_text_only(inputs):
+    lengths = [3, 5]
+    padded = cross_attention_backward(*inputs.values(), num_heads=H, backend="numpy", text_lengths=lengths)
+    # The same as each sample alone with its text cut to its length; weight gradients add up.
+    alone = []
+    for b, n in enumerate(lengths):
+        sample = {name: a[b:b + 1] if a.ndim == 3 else a for name, a in inputs.items()}
+        sample["text_embeddings"] = sample["text_embeddings"][:, :n]
+        alone.append(cross_attention_backward(*sample.values(), num_heads=H, backend="numpy"))
+    for name, got, first, second in zip(CrossAttentionGrads._fields, padded, *alone):
+        if name == "grad_video_latents":
+            want = numpy.concatenate([first, second])
+        elif name == "grad_text_embeddings":  # padded text tokens get zero gradients
+            want = numpy.concatenate([numpy.pad(first, ((0, 0), (0, 2), (0, 0))), second])
+        else:
+            want = first + second
+        numpy.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_text_lengths_reach_the_gpu_code_as_int32(inputs, mocked_gpu):
+    cross_attention_backward(*inputs.values(), num_heads=H, text_lengths=(3, 5))
+    lengths = mocked_gpu[0][4]
+    assert lengths.dtype == numpy.int32 and lengths.tolist() == [3, 5]
+
+
+@pytest.mark.parametrize("lengths, error, message", [
+    ([0, 5], ValueError, r"lie in \[1, Nt\] = \[1, 5\]; got 0..5"),
+    ([3, 6], ValueError, r"lie in \[1, Nt\] = \[1, 5\]; got 3..6"),
+    ([3], ValueError, r"shape \(1,\), expected \(B,\) = \(2,\)"),
+    ([3.0, 5.0], TypeError, "dtype float64; expected integers"),
+    ("35", TypeError, "text_lengths is a str"),
+])
+def test_bad_text_lengths_are_refused(inputs, lengths, error, message):
+    with pytest.raises(error, match=message):
+        cross_attention_backward(*inputs.values(), num_heads=H, backend="numpy", text_lengths=lengths)

@@ -120,6 +120,25 @@ def test_fp16_mode_keeps_the_precision_of_a_sample_far_smaller_than_the_others()
         assert numpy.abs(x - y).max() / numpy.abs(y).max() <= EDGE_TOLERANCE["fp16"], name
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape, lengths", [((2, 130, 77), (40, 77)), ((2, 70, 93), (1, 93)),
+                                            ((3, 64, 211), (211, 100, 33))], ids=["resident", "streamed", "3-samples"])
+def test_text_lengths_pad_the_text(shape, lengths, precision):
+    inputs, plain_ref = _case_data(cases.Case(*shape, atol=0.0), 4)
+    ref = reference.backward(**inputs, num_heads=16, text_lengths=numpy.array(lengths))
+    gpu_inputs = _on_gpu(inputs)
+    got = cross_attention_backward(**gpu_inputs, precision=precision, text_lengths=lengths)
+    errors = _relative_errors(got, ref)
+    bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE[precision]}
+    assert not bad, bad
+    grad_text = _cupy().asnumpy(got.grad_text_embeddings)
+    assert all(not grad_text[b, n:].any() for b, n in enumerate(lengths)), "padded text tokens get zero gradients"
+    # The same (cached) plan without lengths attends to every text token again.
+    errors = _relative_errors(cross_attention_backward(**gpu_inputs, precision=precision), plain_ref)
+    bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE[precision]}
+    assert not bad, bad
+
+
 def test_other_head_counts_with_head_dim_64():
     case = cases.Case(2, 100, 50, atol=0.0)
     inputs, ref = _case_data(case, 6, hidden_size=512, num_heads=8)
@@ -128,10 +147,19 @@ def test_other_head_counts_with_head_dim_64():
     assert max(errors.values()) < EDGE_TOLERANCE["fp32"], errors
 
 
-def test_head_dim_other_than_64_is_a_clear_error():
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", [(2, 100, 50), (1, 70, 130)], ids=lambda s: "x".join(map(str, s)))
+def test_head_dim_128(shape, precision):
+    inputs, ref = _case_data(cases.Case(*shape, atol=0.0), 7, hidden_size=256, num_heads=2)
+    errors = _relative_errors(cross_attention_backward(**_on_gpu(inputs), num_heads=2, precision=precision), ref)
+    bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE[precision]}
+    assert not bad, bad
+
+
+def test_head_dim_other_than_64_or_128_is_a_clear_error():
     inputs = cases.make_inputs(cases.Case(1, 8, 8, atol=0.0), hidden_size=256, seed=1)
-    with pytest.raises(ValueError, match="head_dim"):
-        cross_attention_backward(**_on_gpu(inputs), num_heads=2)
+    with pytest.raises(ValueError, match="supports head_dim 64 or 128; got .* head_dim 32"):
+        cross_attention_backward(**_on_gpu(inputs), num_heads=8)
 
 
 def _digest(arrays):

@@ -170,6 +170,7 @@ def gpu(monkeypatch):
         empty=lambda shape, dtype=numpy.float32: FakeArray(shape, dtype),
         zeros=lambda shape, dtype=numpy.float32: FakeArray(shape, dtype),
         ones=lambda shape, dtype=numpy.float32: FakeArray(shape, dtype),
+        full=lambda shape, value, dtype=numpy.float32: FakeArray(shape, dtype),
         array=lambda values, dtype: FakeArray(len(values), dtype))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     runtime_module = types.ModuleType("cupy_backends.cuda.api.runtime")
