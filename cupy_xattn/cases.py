@@ -10,7 +10,7 @@ from ._cupy import to_numpy
 from .checks import INPUT_SHAPES
 from .grads import CrossAttentionGrads
 
-SUITES = {"sol-execbench": "sol_execbench_cases.json"}
+SUITES = {"sol-execbench": "sol_execbench_cases.json", "wan22-a14b": "wan22_a14b_cases.json"}
 _DATA = Path(__file__).parent / "data"
 _SHAPE = re.compile(r"\s*(\d+)x(\d+)x(\d+)\s*", re.IGNORECASE)
 
@@ -44,6 +44,14 @@ def load_suite(name):
     spec = json.loads((_DATA / SUITES[name]).read_text())
     return [Case(c["batch_size"], c["num_video_tokens"], c["num_text_tokens"], c["atol"], c["rtol"],
                  c["match_ratio"]) for c in spec["cases"]]
+
+
+def suite_sizes(name):
+    """(hidden_size, num_heads) of a named suite's layer."""
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
+    constants = json.loads((_DATA / SUITES[name]).read_text())["constants"]
+    return constants["hidden_size"], constants["num_heads"]
 
 
 def parse_shape(text, *, atol, rtol=1e-5, match_ratio=0.99):

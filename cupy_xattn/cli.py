@@ -1,13 +1,12 @@
 """``cupy-xattn``: info, check (correctness) and sweep (timings)."""
 import importlib.metadata
-import os
 import sys
 
 import click
 import numpy
 
 from . import __version__, api, cases, checks, reference
-from ._cupy import INSTALL_HINT, NoGPUError, require_gpu
+from ._cupy import INSTALL_HINT, NoGPUError, cache_dir, require_gpu
 
 NUMPY_HINT = "try --backend numpy on a small shape, e.g. --shape 2x64x77 --hidden-size 256 --num-heads 4"
 
@@ -30,7 +29,11 @@ def _gpu_or_exit(backend):
 
 
 def _cases(suite, shapes, atol, hidden_size, num_heads):
-    """Suite cases, then one case per --shape; a usage error when there is none or a size is bad."""
+    """(cases, hidden_size, num_heads): suite cases, then one case per --shape; sizes not given
+    are the suite's (else 1024 and 16). A usage error when there is no case or a size is bad."""
+    default_hidden, default_heads = cases.suite_sizes(suite) if suite else (1024, 16)
+    hidden_size = default_hidden if hidden_size is None else hidden_size
+    num_heads = default_heads if num_heads is None else num_heads
     if hidden_size % num_heads:
         raise click.BadParameter(f"--hidden-size {hidden_size} is not divisible by --num-heads {num_heads}")
     selected = cases.load_suite(suite) if suite else []
@@ -40,7 +43,7 @@ def _cases(suite, shapes, atol, hidden_size, num_heads):
         raise click.BadParameter(str(exc), param_hint="--shape") from None
     if not selected:
         raise click.UsageError("give --suite or at least one --shape")
-    return selected
+    return selected, hidden_size, num_heads
 
 
 def _precisions(ctx, param, values):
@@ -59,8 +62,10 @@ def _problem_options(command):
         click.option("--shape", "shapes", multiple=True, metavar="BxNvxNt",
                      help="A case by size, e.g. 2x64x77; repeatable."),
         click.option("--backend", type=click.Choice(checks.BACKENDS), default="cupy", show_default=True),
-        click.option("--hidden-size", type=click.IntRange(min=1), default=1024, show_default=True),
-        click.option("--num-heads", type=click.IntRange(min=1), default=16, show_default=True),
+        click.option("--hidden-size", type=click.IntRange(min=1),
+                     help="D; default: the suite's (sol-execbench 1024, wan22-a14b 5120), else 1024."),
+        click.option("--num-heads", type=click.IntRange(min=1),
+                     help="H; default: the suite's (sol-execbench 16, wan22-a14b 40), else 16."),
     )):
         command = decorator(command)
     return command
@@ -90,8 +95,7 @@ def info():
             click.echo(f"GPU {device_id}      {name}, compute capability {major}.{minor}")
     else:
         click.echo("GPU        no GPU (CuPy sees no CUDA device)" if cupy else "GPU        no GPU (no CuPy)")
-    cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-    click.echo(f"cache      {cache}")
+    click.echo(f"cache      {cache_dir()}")
 
 
 @main.command()
@@ -105,7 +109,7 @@ def check(suite, shapes, backend, hidden_size, num_heads, precision, atol, seed)
 
     Exit code 1 when any output of any case fails.
     """
-    selected = _cases(suite, shapes, atol, hidden_size, num_heads)
+    selected, hidden_size, num_heads = _cases(suite, shapes, atol, hidden_size, num_heads)
     _gpu_or_exit(backend)
     failed = 0
     for case in selected:
@@ -141,7 +145,8 @@ def sweep(suite, shapes, backend, hidden_size, num_heads, precisions, reps, warm
 
     A progress bar goes to stderr; the table, CSV or JSON to stdout or --out.
     """
-    selected = _cases(suite, shapes, 0.0, hidden_size, num_heads)  # sweeps time, they do not judge: no tolerance needed
+    # sweeps time, they do not judge: no tolerance needed
+    selected, hidden_size, num_heads = _cases(suite, shapes, 0.0, hidden_size, num_heads)
     _gpu_or_exit(backend)
     from . import bench
     with click.progressbar(length=len(selected), label="sweep", file=sys.stderr) as bar:

@@ -238,3 +238,8 @@ def test_benchmarks_md_from_json(tmp_path):
     assert "**suite mean** (2 cases)" in text
     assert "## Ceilings measured on this card" in text and "400.0 TFLOP/s" in text
     assert "every case" not in text and "error: ValueError: nope" in text
+    # A second sweep (other layer sizes) is appended as its own part.
+    _load_md_writer().main([str(path), str(path), "-o", str(target)])
+    both = target.read_text()
+    assert both.startswith(text) and both.count("## precision = tf32") == 2
+    assert "\n# Benchmarks, D=" in both and "(sweep.json)" in both

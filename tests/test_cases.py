@@ -2,7 +2,7 @@
 import numpy
 import pytest
 
-from cupy_xattn.cases import Case, compare, flops, load_suite, make_inputs, parse_shape
+from cupy_xattn.cases import Case, compare, flops, load_suite, make_inputs, parse_shape, suite_sizes
 from cupy_xattn.checks import INPUT_SHAPES
 from cupy_xattn.grads import CrossAttentionGrads
 
@@ -12,6 +12,13 @@ def test_suite_has_the_16_benchmark_cases():
     assert len(suite) == 16
     assert suite[0] == Case(64, 128, 77, 0.4, 1e-5, 0.99)
     assert all(0.099 <= c.atol <= 0.52 and c.rtol == 1e-5 and c.match_ratio == 0.99 for c in suite)
+
+
+def test_wan_suite_and_the_layer_sizes_of_each_suite():
+    assert [c.label for c in load_suite("wan22-a14b")] == ["1x1560x512", "1x4096x512", "1x32760x512"]
+    assert suite_sizes("wan22-a14b") == (5120, 40) and suite_sizes("sol-execbench") == (1024, 16)
+    with pytest.raises(ValueError, match="unknown suite"):
+        suite_sizes("nope")
 
 
 def test_unknown_suite():

@@ -141,6 +141,16 @@ def test_sweep_suite_defaults(runner, fake_bench, monkeypatch):
     assert result.stdout.startswith("table:64x128x77,")
 
 
+def test_sweep_wan_suite_takes_its_layer_sizes_unless_given(runner, fake_bench, monkeypatch):
+    monkeypatch.setattr("cupy_xattn.cli.require_gpu", lambda: None)
+    assert runner.invoke(main, ["sweep", "--suite", "wan22-a14b"]).exit_code == 0
+    assert runner.invoke(main, ["sweep", "--suite", "wan22-a14b", "--num-heads", "80"]).exit_code == 0
+    (cases, options), (_, smaller_heads) = fake_bench
+    assert [c.label for c in cases] == ["1x1560x512", "1x4096x512", "1x32760x512"]
+    assert (options["hidden_size"], options["num_heads"]) == (5120, 40)
+    assert (smaller_heads["hidden_size"], smaller_heads["num_heads"]) == (5120, 80)
+
+
 def test_sweep_out_file(runner, fake_bench, tmp_path):
     target = tmp_path / "sweep.json"
     result = runner.invoke(main, ["sweep", "--backend", "numpy", *TINY, "--format", "json", "--out", str(target)])
