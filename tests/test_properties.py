@@ -65,3 +65,19 @@ def test_any_wrong_dtype_is_a_type_error_naming_the_argument(s, name, dtype):
     inputs[name] = inputs[name].astype(dtype)
     with pytest.raises(TypeError, match=name):
         validate(inputs, scale=None, num_heads=s["heads"], precision="tf32", backend="numpy", out=None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes, st.data())
+def test_any_text_lengths_validate_or_are_refused_and_padding_only_zeroes_the_padded_tokens(s, data):
+    inputs = _inputs(s)
+    lengths = data.draw(st.lists(st.integers(-1, s["text"] + 1), min_size=s["batch"], max_size=s["batch"]))
+    valid = all(1 <= n <= s["text"] for n in lengths)
+    if not valid:
+        with pytest.raises(ValueError, match=r"text_lengths must lie in \[1, Nt\]"):
+            cross_attention_backward(**inputs, num_heads=s["heads"], backend="numpy", text_lengths=lengths)
+        return
+    grads = cross_attention_backward(**inputs, num_heads=s["heads"], backend="numpy", text_lengths=lengths)
+    for b, n in enumerate(lengths):
+        assert not grads.grad_text_embeddings[b, n:].any()
+        assert numpy.isfinite(grads.grad_text_embeddings[b, :n]).all()
