@@ -110,7 +110,7 @@ def cross_attention_forward(video_latents, text_embeddings, query_weight, query_
         return y if on_host else import_cupy().asarray(y)
     cupy = require_gpu()
     from .attention_bwd import check_head_dim
-    check_head_dim(problem)
+    check_head_dim(problem)  # before any GPU work
     devices = [a.device.id for a in arrays.values() if not isinstance(a, numpy.ndarray)]
     with cupy.cuda.Device(devices[0]) if devices else contextlib.nullcontext():
         y = forward.run(problem, tuple(_contiguous_aligned(cupy, a) for a in arrays.values()), precision, lengths)

@@ -35,7 +35,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
     the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
     (batch, head) pair: each extra chunk costs a dK/dV partial to reduce. head_dim 128 always
-    streams (the resident kernel's dK/dV accumulators would double), one block per SM.
+    streams (the resident kernel's dK/dV accumulators would double), counted as one block per SM (two
+    might fit; not measured).
     """
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
@@ -109,7 +110,8 @@ class AttentionBackward:
         n_text_rows = problem.batch_size * problem.num_text_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
                           if self.n_chunks > 1 else None)
-        self._all_keys = cupy.full(problem.batch_size, problem.num_text_tokens, numpy.int32)  # no padding
+        # Lengths for callers that pass none (the tests, scripts); Backward passes its own buffer.
+        self._all_keys = cupy.full(problem.batch_size, problem.num_text_tokens, numpy.int32)
         n4 = n_text_rows * 2 * problem.hidden_size // 4  # float4s of dK|dV, each summed over the chunks
         self._reduce_grid = (max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),)
 

@@ -117,7 +117,8 @@ class Backward:
         self._attention = AttentionBackward(problem, precision, sm_count)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         self._o, self._dq, self._dkv = f32(mv, d), f32(mv, d), f32(mt, 2 * d)
-        # Text tokens each sample attends to, rewritten by bind() when the caller pads its texts.
+        # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
+        # caller pads its texts; _all_keys is the host copy of "no padding".
         self._all_keys = numpy.full(b, nt, numpy.int32)
         self._text_lengths = cupy.full(b, nt, numpy.int32)
         self._padded = False

@@ -34,6 +34,7 @@ def run(problem, inputs, precision, text_lengths=None):
     gemm.matmul(x.reshape(b * nv, d), wq, q0, trans_b=True, compute=compute)
     gemm.matmul(t.reshape(b * nt, d), wk, kv0[:, :d], trans_b=True, compute=compute)
     gemm.matmul(t.reshape(b * nt, d), wv, kv0[:, d:], trans_b=True, compute=compute)
+    # Small per-call device arrays: freed at return, their memory is reused in stream order.
     biases = cupy.array([bq.data.ptr, bk.data.ptr, bv.data.ptr], numpy.uint64)
     lengths = cupy.full(b, nt, numpy.int32) if text_lengths is None else cupy.asarray(text_lengths, numpy.int32)
     AttentionForward(problem, precision)(q0, kv0, biases.data.ptr, lengths, o)

@@ -6,6 +6,7 @@ import numpy
 
 from ._cupy import import_cupy
 from .api import cross_attention_backward, cross_attention_forward
+from .forward import PRECISIONS
 
 #: the layer's parameters, in the order of ``cross_attention_forward``'s arguments after X and T.
 PARAMETER_NAMES = ("query_weight", "query_bias", "key_weight", "key_bias", "value_weight", "value_bias",
@@ -31,6 +32,9 @@ class CrossAttention:
     """
 
     def __init__(self, hidden_size=1024, num_heads=16, *, precision="tf32", backend="cupy", seed=0):
+        if precision not in PRECISIONS:
+            raise ValueError(f"CrossAttention: precision must be one of {', '.join(map(repr, PRECISIONS))} (those "
+                             f"of the forward), got {precision!r}")
         self.hidden_size, self.num_heads, self.precision, self.backend = hidden_size, num_heads, precision, backend
         xp = import_cupy() if backend == "cupy" else numpy
         rng = numpy.random.default_rng(seed)
@@ -53,7 +57,8 @@ class CrossAttention:
                                        text_lengths=text_lengths)
 
     def backward(self, grad_output):
-        """(dX, dT) for dY = ``grad_output``; adds dWq, dbq, … into ``grads``."""
+        """(dX, dT) for dY = ``grad_output`` at the last forward's inputs; adds dWq, dbq, … into
+        ``grads`` (calling it twice adds them twice)."""
         if self._saved is None:
             raise RuntimeError("CrossAttention.backward needs a forward first")
         video_latents, text_embeddings, text_lengths = self._saved

@@ -39,8 +39,9 @@ class Plan:
     """``cross_attention_backward`` for one (B, Nv, Nt) shape, replayed from a CUDA graph.
 
     Create with :func:`plan`. Calling it takes the arguments of ``cross_attention_backward``
-    (CuPy float32 arrays of the plan's shape; anything else goes through full validation and
-    conversion first) and returns a ``CrossAttentionGrads`` of CuPy arrays, bitwise equal to
+    (CuPy float32 arrays of the plan's shape; anything else, and any call with ``text_lengths``,
+    which are checked on the host and written by a second small copy, goes through full
+    validation and conversion first) and returns a ``CrossAttentionGrads`` of CuPy arrays, bitwise equal to
     the first (uncaptured) run of the same steps. Work is ordered on ``stream`` if one was given,
     else on the stream current at each call. Thread-safe; one call at a time per plan.
     """

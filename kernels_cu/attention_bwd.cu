@@ -1,18 +1,19 @@
 // Fused attention backward for cross-attention with a short key/value sequence.
 //
 // Math, per (batch b, head h), with the projections already done by cuBLAS:
-//   Q = Q0 + bq  [Nv, 64]     K = K0 + bk, V = V0 + bv  [Nt, 64]     dO [Nv, 64]
+//   Q = Q0 + bq  [Nv, d]      K = K0 + bk, V = V0 + bv  [Nt, d]      dO [Nv, d]     (d = head_dim)
 //   S = scale Q K^T,  P = softmax_rows(S),  O = P V
 //   dP = dO V^T,  D_i = rowsum(P ∘ dP)_i (= rowsum(dO ∘ O)_i),  dS = P ∘ (dP − D) · scale
 //   dQ = dS K,  dK = dS^T Q,  dV = P^T dO
 // S, P and dS live only in registers and shared memory.
 //
-// Layouts (row-major fp32, heads side by side in the hidden dimension D = H·64):
+// Layouts (row-major fp32, heads side by side in the hidden dimension D = H·d):
 //   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D))
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
-//                     dK and dV rows come out 0 (every row of dkv_part is still written)
+//                     dK and dV rows come out 0 (every row of dkv_part is still written). The
+//                     padded K, V rows are still read and multiplied by 0: they must be finite
 //
 // Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
 // [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
@@ -137,7 +138,8 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
 }  // namespace
 
 // Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
-// accumulators do not fit that, and it runs two. With head_dim 128 one block fills the shared memory.
+// accumulators do not fit that, and it runs two. With head_dim 128 the bounds ask for one (two
+// might fit: 112 KiB of shared memory a block; not measured).
 #if ATTN_HEAD_DIM > 64
 #define ATTN_MIN_BLOCKS 1
 #elif ATTN_SPLIT3

@@ -149,7 +149,7 @@ __device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld,
     b[1] = m[(n0 + g) * ld + k0 + t + 4];
 }
 
-// Copy rows [row0, row0 + ROWS) of a head's 64 columns into shared memory, adding a bias
+// Copy rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns into shared memory, adding a bias
 // (may be null); rows at or past n_valid become zeros so padded rows contribute nothing.
 // Every load of a thread is issued before the first store: one global-memory latency per
 // tile instead of one per row group (the stores to shared memory would otherwise wait).

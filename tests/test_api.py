@@ -81,7 +81,7 @@ def mocked_gpu(monkeypatch):
         def __init__(self, problem, precision):
             self.problem, self.precision = problem, precision
 
-        def launch(self, inputs, scale, out, text_lengths=None):
+        def launch(self, inputs, scale, out=None, addresses=None, text_lengths=None):  # Plan.launch's signature
             calls.append((self.problem, inputs, self.precision, out, text_lengths))
             grads = _expected(dict(zip(cupy_xattn.grads.INPUT_NAMES, inputs)), scale)
             if out is None:

@@ -145,10 +145,10 @@ def test_sweep_wan_suite_takes_its_layer_sizes_unless_given(runner, fake_bench, 
     monkeypatch.setattr("cupy_xattn.cli.require_gpu", lambda: None)
     assert runner.invoke(main, ["sweep", "--suite", "wan22-a14b"]).exit_code == 0
     assert runner.invoke(main, ["sweep", "--suite", "wan22-a14b", "--num-heads", "80"]).exit_code == 0
-    (cases, options), (_, smaller_heads) = fake_bench
+    (cases, options), (_, more_heads) = fake_bench
     assert [c.label for c in cases] == ["1x1560x512", "1x4096x512", "1x32760x512"]
     assert (options["hidden_size"], options["num_heads"]) == (5120, 40)
-    assert (smaller_heads["hidden_size"], smaller_heads["num_heads"]) == (5120, 80)
+    assert (more_heads["hidden_size"], more_heads["num_heads"]) == (5120, 80)  # head_dim 64
 
 
 def test_sweep_out_file(runner, fake_bench, tmp_path):

@@ -1,4 +1,4 @@
-"""The CuPy forward and the layer object on a GPU, against the float64 reference (marker ``gpu``)."""
+"""The CuPy forward against the float64 reference, and the training example on a GPU (marker ``gpu``)."""
 import sys
 from pathlib import Path
 
@@ -16,7 +16,7 @@ TOLERANCE = {"tf32": 5e-3, "fp32": 1e-5}  # max|y − ref| / max|ref|
 @pytest.mark.parametrize("shape, hidden, heads, lengths", [
     ((2, 130, 77), 1024, 16, None), ((2, 130, 77), 1024, 16, (40, 77)), ((1, 1, 5), 1024, 16, None),
     ((3, 70, 211), 512, 8, (211, 1, 100)), ((2, 100, 50), 256, 2, (50, 17))],
-    ids=["resident-size", "padded", "one-row", "long-text-padded", "head-dim-128"])
+    ids=["2x130x77", "padded", "one-row", "long-text-padded", "head-dim-128"])
 def test_forward_matches_the_reference(shape, hidden, heads, lengths, precision):
     import cupy
     inputs = cases.make_inputs(cases.Case(*shape, atol=0.0), hidden_size=hidden, seed=2)

@@ -31,6 +31,14 @@ def test_attention_kernel_variants_compile(defines, arch):
         assert b"attn_bwd_resident" in cubin
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("defines", [{"ATTN_SPLIT3": 1}, {"ATTN_HEAD_DIM": 128},
+                                     {"ATTN_HEAD_DIM": 128, "ATTN_SPLIT3": 1}])
+def test_attention_forward_variants_compile(defines, arch):
+    cubin = kernels.compile_cubin("attention_fwd.cu", arch, defines)
+    assert cubin[:4] == b"\x7fELF" and b"attn_fwd" in cubin
+
+
 @pytest.fixture
 def probe_dir(tmp_path, monkeypatch):
     (tmp_path / "probe.cuh").write_text('#include "probe_inner.cuh"\n#define PROBE_SCALE 2.0f\n')
@@ -143,9 +151,12 @@ def test_an_unusable_cache_dir_at_import_is_a_clear_error(tmp_path):
     env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "a_file" / "cache")}
     done = subprocess.run([sys.executable, "-c", "from cupy_xattn._cupy import import_cupy; import_cupy()"],
                           capture_output=True, text=True, env=env, timeout=300)
-    # CuPy 14 creates the folder on import; an older CuPy that does not may import fine.
-    if done.returncode:
-        assert "point CUPY_CACHE_DIR at a folder that can be created and written" in done.stderr, done.stderr
+    import cupy
+    if int(cupy.__version__.split(".")[0]) >= 14:  # CuPy 14 creates the folder when it is imported
+        assert done.returncode and "point CUPY_CACHE_DIR at a folder that can be created and written" in done.stderr, (
+            done.stderr)
+    else:  # an older CuPy touches it only when it compiles
+        assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.gpu

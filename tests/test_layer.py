@@ -20,7 +20,7 @@ def _forward_inputs(inputs):
     return {name: a for name, a in inputs.items() if name != "grad_output"}
 
 
-def test_numpy_forward_is_the_reference_in_float32(inputs):
+def test_numpy_forward_passes_scale_heads_and_lengths_to_the_reference_and_returns_float32(inputs):
     args = _forward_inputs(inputs)
     y = cross_attention_forward(**args, scale=0.4, num_heads=H, backend="numpy", text_lengths=[2, 5])
     want = reference.forward(*args.values(), 0.4, num_heads=H, text_lengths=numpy.array([2, 5]))
@@ -80,3 +80,8 @@ def test_the_training_example_makes_the_loss_fall():
         sys.path.pop(0)
     losses = train("numpy", steps=15, log=lambda line: None)
     assert losses[-1] < 0.4 * losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+def test_layer_refuses_a_precision_the_forward_lacks():
+    with pytest.raises(ValueError, match="CrossAttention: precision must be one of 'fp32', 'tf32'"):
+        CrossAttention(16, H, precision="fp16", backend="numpy")

@@ -252,12 +252,33 @@ def test_the_pointer_table_gets_every_caller_address(gpu):
     assert {inputs[name].data.ptr for name in INPUT_NAMES if name != "output_bias"} <= table
     assert {o.data.ptr for o in out} <= table
     # tf32's dT for B·Nt < 96 rows is two batched halves of its columns: the second writes from
-    # column D / 2 on.
+    # column D / 2 on, with rows D / 2 on of [Wk^T | Wv^T] (columns D.. of [Wq^T | Wk^T | Wv^T]).
     assert out.grad_text_embeddings.data.ptr + 4 * 64 in table
+    weights_t = program._wqkv_t.data.ptr
+    assert {weights_t + 4 * 128, weights_t + 4 * (64 * 3 * 128 + 128)} <= table
     plan = cupy_xattn.plan(2, 70, 48, hidden_size=128, num_heads=2)  # 96 rows: one product
     out = plan(**_inputs(2, 70, 48))
     (program, _), = plan._programs.values()
     assert out.grad_text_embeddings.data.ptr + 4 * 64 not in set(int(x) for x in program._table._host)
+
+
+def test_text_lengths_are_written_when_given_and_once_more_when_dropped(gpu):
+    import cupy_xattn
+    plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
+    inputs = tuple(_inputs().values())
+    plan.launch(inputs, 0.125)
+    (program, _), = plan._programs.values()
+    lengths = program._text_lengths.data.ptr
+
+    def copies(*text_lengths):
+        mark = len(gpu)
+        plan.launch(inputs, 0.125, text_lengths=None if not text_lengths else numpy.array(text_lengths, numpy.int32))
+        return [(dst, size) for kind, _, dst, size in (e for e in gpu[mark:] if e[0] == "copy")]
+
+    table = program._table.device.data.ptr
+    assert copies(5, 20) == [(table, program._table._host.nbytes), (lengths, 8)]
+    assert copies() == [(table, program._table._host.nbytes), (lengths, 8)]  # every token again
+    assert copies() == [(table, program._table._host.nbytes)]  # nothing left to undo
 
 
 def test_a_plan_keeps_two_scales(gpu):
