@@ -44,21 +44,23 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
         "cupy" runs on the current GPU (or that of the CuPy inputs); "numpy" runs the float64
         reference on the host and returns float32.
     out : CrossAttentionGrads or sequence of 10 arrays, optional
-        Preallocated float32 outputs; results are written into exactly these and returned.
-        They may not overlap the inputs or each other.
+        Preallocated outputs, each of its input's dtype; results are written into exactly these
+        and returned. They may not overlap the inputs or each other.
     text_lengths : (B,) ints, optional
         Text tokens each sample attends to, 1..Nt: the rest are padding, with zero attention
         and zero gradients. NumPy or a sequence is cheapest; a CuPy array is copied to the host
         for the check (it waits for the work that writes it).
 
-    All arrays are float32, NumPy or CuPy (or anything ``cupy.asarray`` takes zero-copy:
-    ``__cuda_array_interface__``, DLPack). Inputs are never modified; non-contiguous ones are
-    copied.
+    All arrays are NumPy or CuPy (or anything ``cupy.asarray`` takes zero-copy:
+    ``__cuda_array_interface__``, DLPack), float32, float16 or bfloat16 (where NumPy/CuPy hold
+    it), in any mix. The work is float32 (float16/bfloat16 inputs are copied to float32 first;
+    the fast path is for float32), and each gradient comes in the dtype of its input. Inputs are
+    never modified; non-contiguous ones are copied.
 
     Returns
     -------
     CrossAttentionGrads
-        float32, NumPy when every input is a NumPy array, CuPy otherwise (or ``out``).
+        Each of its input's dtype; NumPy when every input is a NumPy array, CuPy otherwise (or ``out``).
 
     Raises
     ------
@@ -90,7 +92,8 @@ def cross_attention_forward(video_latents, text_embeddings, query_weight, query_
 
     Returns
     -------
-    (B, Nv, D) float32 array: NumPy when every input is a NumPy array, CuPy otherwise.
+    (B, Nv, D) array of video_latents' dtype: NumPy when every input is a NumPy array, CuPy
+    otherwise.
     """
     caller = "cross_attention_forward"
     arrays = checks.as_arrays(dict(zip(INPUT_NAMES[1:], (
@@ -103,17 +106,21 @@ def cross_attention_forward(video_latents, text_embeddings, query_weight, query_
                          f"{', '.join(map(repr, forward.PRECISIONS))}")
     lengths = checks.text_lengths(text_lengths, problem.batch_size, problem.num_text_tokens, caller)
     on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
+    dtype = arrays["video_latents"].dtype
+    if _any_half(arrays.values()):  # float16/bfloat16: the work is done on float32 copies
+        arrays = {name: a.astype(numpy.float32) for name, a in arrays.items()}
     if backend == "numpy":
         from . import reference
         y = reference.forward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads,
-                              text_lengths=lengths).astype(numpy.float32)
+                              text_lengths=lengths).astype(dtype)
         return y if on_host else import_cupy().asarray(y)
     cupy = require_gpu()
     from .attention_bwd import check_head_dim
     check_head_dim(problem)  # before any GPU work
     devices = [a.device.id for a in arrays.values() if not isinstance(a, numpy.ndarray)]
     with cupy.cuda.Device(devices[0]) if devices else contextlib.nullcontext():
-        y = forward.run(problem, tuple(_contiguous_aligned(cupy, a) for a in arrays.values()), precision, lengths)
+        y = forward.run(problem, tuple(_contiguous_aligned(cupy, a) for a in arrays.values()), precision,
+                        lengths).astype(dtype, copy=False)
         return cupy.asnumpy(y) if on_host else y
 
 
@@ -136,15 +143,23 @@ def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None,
     lengths = checks.text_lengths(text_lengths, problem.batch_size, problem.num_text_tokens)
     on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
     devices = [a.device.id for a in (*arrays.values(), *(out or ())) if not isinstance(a, numpy.ndarray)]
+    # float16/bfloat16 arrays: the work is done on float32 copies, each gradient is returned in the
+    # dtype of its input.
+    result_dtypes = [arrays[name].dtype for name in INPUT_NAMES[1:]]
+    halves = _any_half(arrays.values())
     # Work on the GPU that holds the caller's CuPy arrays, whatever the current device is.
     with import_cupy().cuda.Device(devices[0]) if devices else contextlib.nullcontext():
+        if halves:
+            arrays = {name: a.astype(numpy.float32) for name, a in arrays.items()}
         if backend == "numpy":
             from . import reference
             grads = reference.backward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads,
                                        text_lengths=lengths)
             results = CrossAttentionGrads(*(g.astype(numpy.float32) for g in grads))
         else:
-            results = _run_on_gpu(problem, arrays, precision, out, plan, lengths)
+            results = _run_on_gpu(problem, arrays, precision, None if halves else out, plan, lengths)
+        if halves:
+            results = CrossAttentionGrads(*(r.astype(dtype) for r, dtype in zip(results, result_dtypes)))
 
         if out is not None:
             for buffer, result in zip(out, results):
@@ -154,6 +169,10 @@ def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None,
         if on_host:
             return CrossAttentionGrads(*map(to_numpy, results))
         return CrossAttentionGrads(*map(import_cupy().asarray, results))
+
+
+def _any_half(arrays):
+    return any(numpy.dtype(a.dtype).name != "float32" for a in arrays)
 
 
 def _run_on_gpu(problem, arrays, precision, out, plan, text_lengths):

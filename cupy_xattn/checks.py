@@ -36,6 +36,8 @@ _SIZE_SOURCES = ("video_latents", "text_embeddings") + tuple(
     name for name in INPUT_NAMES if name not in ("video_latents", "text_embeddings"))
 
 _FLOAT32 = numpy.dtype(numpy.float32)
+#: input and output dtypes (by name: NumPy holds bfloat16 only with ml_dtypes); the work is float32.
+DTYPES = ("float32", "float16", "bfloat16")
 
 # Sizes kept below 2**31 elements, so that element counts fit 32-bit signed integers.
 INDEX_LIMIT = 2**31
@@ -283,7 +285,8 @@ def validate(arrays, *, scale, num_heads, precision, backend, out, caller="cross
     Raises
     ------
     TypeError
-        Wrong dtypes (only float32 is supported), non-integer ``num_heads``, non-real ``scale``;
+        Dtypes other than float32, float16 and bfloat16, an ``out`` array whose dtype is not
+        that of its input, non-integer ``num_heads``, non-real ``scale``;
         one message naming every such argument.
     ValueError
         Everything else (shapes, sizes, options, devices, aliasing ``out``); one message listing all.
@@ -291,8 +294,11 @@ def validate(arrays, *, scale, num_heads, precision, backend, out, caller="cross
     outs = {} if out is None else dict(zip((f"out.{f}" for f in CrossAttentionGrads._fields), out))
     everything = {**arrays, **outs}
 
-    type_problems = [f"{name} has dtype {numpy.dtype(a.dtype)}; only float32 is supported"
-                     for name, a in everything.items() if numpy.dtype(a.dtype) != numpy.float32]
+    type_problems = [f"{name} has dtype {numpy.dtype(a.dtype)}; supported: {', '.join(DTYPES)}"
+                     for name, a in arrays.items() if numpy.dtype(a.dtype).name not in DTYPES]
+    type_problems += [f"{out_name} has dtype {numpy.dtype(o.dtype)}, expected {numpy.dtype(arrays[name].dtype)} "
+                      f"(that of {name})" for (out_name, o), name in zip(outs.items(), INPUT_NAMES[1:])
+                      if numpy.dtype(o.dtype) != numpy.dtype(arrays[name].dtype)]
     if not _is_int(num_heads):
         type_problems.append(f"num_heads must be an integer, got {type(num_heads).__name__}")
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):

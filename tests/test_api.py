@@ -177,3 +177,53 @@ def test_text_lengths_reach_the_gpu_code_as_int32(inputs, mocked_gpu):
 def test_bad_text_lengths_are_refused(inputs, lengths, error, message):
     with pytest.raises(error, match=message):
         cross_attention_backward(*inputs.values(), num_heads=H, backend="numpy", text_lengths=lengths)
+
+
+def _halved(inputs, names):
+    return {name: a.astype(numpy.float16) if name in names else a for name, a in inputs.items()}
+
+
+def test_float16_inputs_give_gradients_in_their_own_dtype(inputs):
+    activations = ("grad_output", "video_latents", "text_embeddings")
+    half = _halved(inputs, activations)  # a mixed-precision call: fp16 activations, fp32 weights
+    grads = cross_attention_backward(*half.values(), num_heads=H, backend="numpy")
+    # The work is float32 on the fp16 values; each gradient is cast to its input's dtype.
+    float32 = cross_attention_backward(*(a.astype(numpy.float32) for a in half.values()), num_heads=H,
+                                       backend="numpy")
+    for name, got, want in zip(CrossAttentionGrads._fields, grads, float32):
+        dtype = half[name.removeprefix("grad_")].dtype
+        assert got.dtype == dtype, name
+        numpy.testing.assert_array_equal(got, want.astype(dtype), err_msg=name)
+    out = CrossAttentionGrads(*(numpy.full_like(g, numpy.nan) for g in grads))
+    returned = cross_attention_backward(*half.values(), num_heads=H, backend="numpy", out=out)
+    assert all(r is o for r, o in zip(returned, out))
+    _assert_halves_equal(out, grads)
+
+
+def _assert_halves_equal(got, want):
+    for name, g, w in zip(CrossAttentionGrads._fields, got, want):
+        assert g.dtype == w.dtype, name
+        numpy.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def test_out_must_have_the_dtype_of_its_input(inputs):
+    half = _halved(inputs, ("video_latents",))
+    out = [numpy.empty(a.shape, numpy.float32) for a in list(half.values())[1:]]
+    with pytest.raises(TypeError, match=r"out.grad_video_latents has dtype float32, expected float16 \(that of "
+                                        r"video_latents\)"):
+        cross_attention_backward(*half.values(), num_heads=H, backend="numpy", out=out)
+
+
+def test_float16_inputs_reach_the_gpu_code_as_float32_and_come_back_float16(inputs, mocked_gpu):
+    half = _halved(inputs, tuple(inputs))
+    grads = cross_attention_backward(*half.values(), num_heads=H)
+    [(_, gpu_inputs, _, out, _)] = mocked_gpu
+    assert out is None and all(a.dtype == numpy.float32 for a in gpu_inputs)
+    assert all(g.dtype == numpy.float16 for g in grads)
+
+
+def test_bfloat16_where_numpy_holds_it(inputs):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = {name: a.astype(ml_dtypes.bfloat16) for name, a in inputs.items()}
+    grads = cross_attention_backward(*bf16.values(), num_heads=H, backend="numpy")
+    assert all(numpy.dtype(g.dtype).name == "bfloat16" for g in grads)

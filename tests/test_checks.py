@@ -52,11 +52,12 @@ def test_valid_call_gives_the_problem(arrays):
 
 def test_dtypes_are_one_type_error_naming_each_argument(arrays):
     arrays["video_latents"] = arrays["video_latents"].astype(numpy.float64)
-    arrays["key_bias"] = arrays["key_bias"].astype(numpy.float16)
+    arrays["key_bias"] = arrays["key_bias"].astype(numpy.int32)
+    arrays["query_bias"] = arrays["query_bias"].astype(numpy.float16)  # supported
     with pytest.raises(TypeError) as error:
         _validate(arrays)
-    assert "video_latents has dtype float64" in str(error.value)
-    assert "key_bias has dtype float16" in str(error.value)
+    assert "video_latents has dtype float64; supported: float32, float16, bfloat16" in str(error.value)
+    assert "key_bias has dtype int32" in str(error.value) and "query_bias" not in str(error.value)
 
 
 def test_out_dtype_is_a_type_error(arrays):

@@ -139,6 +139,19 @@ def test_text_lengths_pad_the_text(shape, lengths, precision):
     assert not bad, bad
 
 
+def test_float16_activations_give_float16_gradients_of_float32_accuracy():
+    # The work is float32 on the fp16 values: compared with the reference on those same values.
+    inputs, _ = _case_data(cases.Case(2, 130, 77, atol=0.0), 10)
+    half = {name: a.astype(numpy.float16) if a.ndim == 3 else a for name, a in inputs.items()}
+    ref = reference.backward(**half, num_heads=16)
+    got = cross_attention_backward(**_on_gpu(half), precision="fp32")
+    for name, grad in zip(CrossAttentionGrads._fields, got):
+        assert grad.dtype == half[name.removeprefix("grad_")].dtype, name
+    errors = _relative_errors([g.astype(numpy.float32) for g in got], ref)
+    bad = {k: v for k, v in errors.items() if not v <= 2e-3}  # fp16 rounding of dX, dT (2^-11)
+    assert not bad, bad
+
+
 def test_other_head_counts_with_head_dim_64():
     case = cases.Case(2, 100, 50, atol=0.0)
     inputs, ref = _case_data(case, 6, hidden_size=512, num_heads=8)

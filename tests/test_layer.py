@@ -85,3 +85,14 @@ def test_the_training_example_makes_the_loss_fall():
 def test_layer_refuses_a_precision_the_forward_lacks():
     with pytest.raises(ValueError, match="CrossAttention: precision must be one of 'fp32', 'tf32'"):
         CrossAttention(16, H, precision="fp16", backend="numpy")
+
+
+def test_forward_of_float16_activations_is_float16(inputs):
+    args = _forward_inputs(inputs)
+    half = dict(args, video_latents=args["video_latents"].astype(numpy.float16),
+                text_embeddings=args["text_embeddings"].astype(numpy.float16))
+    y = cross_attention_forward(**half, num_heads=H, backend="numpy")
+    want = cross_attention_forward(**{k: a.astype(numpy.float32) for k, a in half.items()}, num_heads=H,
+                                   backend="numpy")
+    assert y.dtype == numpy.float16
+    numpy.testing.assert_array_equal(y, want.astype(numpy.float16))
