@@ -3,7 +3,10 @@
 # every GPU test with the GPU required, the full sweep with baselines and ceilings
 # (scripts/sweep_h200.sh: benchmarks/*.json and BENCHMARKS.md), and the accuracy tables.
 #
-#   CUPY_XATTN_GIT_COMMIT=$(git rev-parse --short HEAD) bash scripts/h200_check.sh
+#   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh
+#
+# Give the hash of the checkout as it is here, literally: the device's copy of the repository
+# carries the working tree, but its git metadata can be older (seen: a whole session long).
 #
 # Results go to $OUT when set (the device tool's folder), else to the current folder; copy
 # BENCHMARKS.md, benchmarks/h200-latest.json and accuracy.md (as docs/accuracy.md) back.
