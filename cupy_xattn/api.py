@@ -107,20 +107,17 @@ def cross_attention_forward(video_latents, text_embeddings, query_weight, query_
     lengths = checks.text_lengths(text_lengths, problem.batch_size, problem.num_text_tokens, caller)
     on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
     dtype = arrays["video_latents"].dtype
-    if _any_half(arrays.values()):  # float16/bfloat16: the work is done on float32 copies
-        arrays = {name: a.astype(numpy.float32) for name, a in arrays.items()}
     if backend == "numpy":
         from . import reference
-        y = reference.forward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads,
+        y = reference.forward(*map(to_numpy, _as_float32(arrays).values()), problem.scale, num_heads=num_heads,
                               text_lengths=lengths).astype(dtype)
         return y if on_host else import_cupy().asarray(y)
     cupy = require_gpu()
     from .attention_bwd import check_head_dim
     check_head_dim(problem)  # before any GPU work
-    devices = [a.device.id for a in arrays.values() if not isinstance(a, numpy.ndarray)]
-    with cupy.cuda.Device(devices[0]) if devices else contextlib.nullcontext():
-        y = forward.run(problem, tuple(_contiguous_aligned(cupy, a) for a in arrays.values()), precision,
-                        lengths).astype(dtype, copy=False)
+    with _on_callers_gpu(arrays.values()):
+        inputs = tuple(_contiguous_aligned(cupy, a) for a in _as_float32(arrays).values())
+        y = forward.run(problem, inputs, precision, lengths).astype(dtype, copy=False)
         return cupy.asnumpy(y) if on_host else y
 
 
@@ -142,15 +139,12 @@ def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None,
                               backend=backend, out=out)
     lengths = checks.text_lengths(text_lengths, problem.batch_size, problem.num_text_tokens)
     on_host = all(isinstance(a, numpy.ndarray) for a in arrays.values())
-    devices = [a.device.id for a in (*arrays.values(), *(out or ())) if not isinstance(a, numpy.ndarray)]
-    # float16/bfloat16 arrays: the work is done on float32 copies, each gradient is returned in the
-    # dtype of its input.
-    result_dtypes = [arrays[name].dtype for name in INPUT_NAMES[1:]]
-    halves = _any_half(arrays.values())
-    # Work on the GPU that holds the caller's CuPy arrays, whatever the current device is.
-    with import_cupy().cuda.Device(devices[0]) if devices else contextlib.nullcontext():
-        if halves:
-            arrays = {name: a.astype(numpy.float32) for name, a in arrays.items()}
+    # Each gradient is returned in the dtype of its input (float16/bfloat16 ones are worked on as
+    # float32 copies).
+    result_dtypes = [numpy.dtype(arrays[name].dtype) for name in INPUT_NAMES[1:]]
+    halves = any(a.dtype != numpy.float32 for a in arrays.values())
+    with _on_callers_gpu((*arrays.values(), *(out or ()))):
+        arrays = _as_float32(arrays)
         if backend == "numpy":
             from . import reference
             grads = reference.backward(*map(to_numpy, arrays.values()), problem.scale, num_heads=num_heads,
@@ -159,7 +153,8 @@ def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None,
         else:
             results = _run_on_gpu(problem, arrays, precision, None if halves else out, plan, lengths)
         if halves:
-            results = CrossAttentionGrads(*(r.astype(dtype) for r, dtype in zip(results, result_dtypes)))
+            results = CrossAttentionGrads(*(r if r.dtype == dtype else r.astype(dtype)
+                                            for r, dtype in zip(results, result_dtypes)))
 
         if out is not None:
             for buffer, result in zip(out, results):
@@ -171,8 +166,16 @@ def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None,
         return CrossAttentionGrads(*map(import_cupy().asarray, results))
 
 
-def _any_half(arrays):
-    return any(numpy.dtype(a.dtype).name != "float32" for a in arrays)
+def _on_callers_gpu(arrays):
+    """A context on the GPU that holds the caller's CuPy ``arrays``, whatever the current device
+    is (none for NumPy arrays)."""
+    devices = [a.device.id for a in arrays if not isinstance(a, numpy.ndarray)]
+    return import_cupy().cuda.Device(devices[0]) if devices else contextlib.nullcontext()
+
+
+def _as_float32(arrays):
+    """``arrays`` (name -> array) with the float16/bfloat16 ones as float32 copies: the work is float32."""
+    return {name: a if a.dtype == numpy.float32 else a.astype(numpy.float32) for name, a in arrays.items()}
 
 
 def _run_on_gpu(problem, arrays, precision, out, plan, text_lengths):
