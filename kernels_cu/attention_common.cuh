@@ -280,6 +280,42 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// One key tile of an online softmax, for row half h (rows g and g + 8) of a warp's scores s (log2
+// units, keys to skip at −∞): the running max m_run takes the tile's max (finite once the row
+// has seen a valid key), corr = exp2(old max − new max) is what running sums must be scaled by,
+// s becomes exp2(s − max), and each(n, i) sees every new value. Returns this thread's part of
+// the row's sum of the new values.
+template <int NT, typename Each>
+__device__ __forceinline__ float softmax_tile_row(float s[NT][4], int h, float& m_run, float& corr, Each each) {
+    float mx = m_run;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+    mx = quad_max(mx);
+    corr = exp2f(m_run - mx);
+    m_run = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int i = 2 * h; i < 2 * h + 2; ++i) {
+            s[n][i] = exp2f(s[n][i] - mx);
+            sum += s[n][i];
+            each(n, i);
+        }
+    }
+    return sum;
+}
+
+// Scale a warp's 16-row accumulator tile: rows g by f[0], rows g + 8 by f[1].
+template <int NT>
+__device__ __forceinline__ void scale_rows(float c[NT][4], const float f[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        c[n][0] *= f[0]; c[n][1] *= f[0];
+        c[n][2] *= f[1]; c[n][3] *= f[1];
+    }
+}
+
 // Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result.
 __device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows,
                                            const float c[ATTN_HEAD_DIM / 8][4], int g, int t) {

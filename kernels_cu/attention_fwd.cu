@@ -45,28 +45,11 @@ attn_fwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         score_tile<NT_KV>(s, q_s, k_s, r0, kv_row0, n_keys, scale_log2, g, t);
         float corr[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = m_run[h];
-#pragma unroll
-            for (int n = 0; n < NT_KV; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-            mx = quad_max(mx);  // finite: every tile holds at least one key below n_keys
-            corr[h] = exp2f(m_run[h] - mx);
-            m_run[h] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                for (int i = 2 * h; i < 2 * h + 2; ++i) {
-                    s[n][i] = exp2f(s[n][i] - mx);
-                    sum += s[n][i];
-                }
+        for (int h = 0; h < 2; ++h) {  // m_run is finite from the first tile on: each tile starts below n_keys
+            const float sum = softmax_tile_row<NT_KV>(s, h, m_run[h], corr[h], [](int, int) {});
             l_run[h] = l_run[h] * corr[h] + sum;  // per-thread partial, summed over the quad at the end
         }
-#pragma unroll
-        for (int n = 0; n < NT_HD; ++n) {
-            o_acc[n][0] *= corr[0]; o_acc[n][1] *= corr[0];
-            o_acc[n][2] *= corr[1]; o_acc[n][3] *= corr[1];
-        }
+        scale_rows<NT_HD>(o_acc, corr);
         store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
         __syncwarp();
         rows_times_add<ATTN_BLOCK_KV>(o_acc, p_s, LD_KV, v_s, r0, g, t);  // O += P V
