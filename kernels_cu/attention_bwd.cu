@@ -138,11 +138,9 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
 }  // namespace
 
 // Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
-// accumulators do not fit that, and it runs two. With head_dim 128 the bounds ask for one (two
-// might fit: 112 KiB of shared memory a block; not measured).
-#if ATTN_HEAD_DIM > 64
-#define ATTN_MIN_BLOCKS 1
-#elif ATTN_SPLIT3
+// accumulators do not fit that, and it runs two. With head_dim 128 two blocks fit the shared
+// memory (2 × 112 KiB) and the registers (2 × 128 threads × 255).
+#if ATTN_SPLIT3 || ATTN_HEAD_DIM > 64
 #define ATTN_MIN_BLOCKS 2
 #else
 #define ATTN_MIN_BLOCKS 3
