@@ -35,8 +35,7 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
     the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
     (batch, head) pair: each extra chunk costs a dK/dV partial to reduce. head_dim 128 always
-    streams (the resident kernel's dK/dV accumulators would double), counted as one block per SM (two
-    might fit; not measured).
+    streams (the resident kernel's dK/dV accumulators would double), two blocks per SM.
     """
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
@@ -44,7 +43,7 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
         smem = 4 * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
     smem = 4 * (2 * BLOCK_Q * row + 2 * BLOCK_KV * row + BLOCK_Q * (BLOCK_KV + 8))
-    blocks = 1 if head_dim > 64 else 2 if precision == "fp32" else 3  # ATTN_MIN_BLOCKS in the source
+    blocks = 2 if precision == "fp32" or head_dim > 64 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
 
 

@@ -13,7 +13,8 @@
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
 //                     dK and dV rows come out 0 (every row of dkv_part is still written). The
-//                     padded K, V rows are still read and multiplied by 0: they must be finite
+//                     streamed kernel skips key tiles wholly past them; the padded K, V rows of
+//                     the last tile are still read and multiplied by 0: they must be finite
 //
 // Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
 // [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
@@ -138,11 +139,9 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
 }  // namespace
 
 // Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
-// accumulators do not fit that, and it runs two. With head_dim 128 the bounds ask for one (two
-// might fit: 112 KiB of shared memory a block; not measured).
-#if ATTN_HEAD_DIM > 64
-#define ATTN_MIN_BLOCKS 1
-#elif ATTN_SPLIT3
+// accumulators do not fit that, and it runs two. With head_dim 128 two blocks fit the shared
+// memory (2 × 112 KiB) and the registers (2 × 128 threads × 255).
+#if ATTN_SPLIT3 || ATTN_HEAD_DIM > 64
 #define ATTN_MIN_BLOCKS 2
 #else
 #define ATTN_MIN_BLOCKS 3
@@ -178,6 +177,15 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     const int tile_begin = blockIdx.x * tiles_per_chunk;
     const int tile_end = min(tile_begin + tiles_per_chunk, n_q_tiles);
 
+    // Key tiles wholly past n_keys (padding) add nothing: they are skipped, and their rows of this
+    // chunk's dK and dV are written as zeros here, once.
+    const int kv_end = min(n_text, (n_keys + ATTN_BLOCK_KV - 1) / ATTN_BLOCK_KV * ATTN_BLOCK_KV);
+    for (int i = threadIdx.x; i < (n_text - kv_end) * (ATTN_HEAD_DIM / 2); i += ATTN_THREADS) {
+        const long long at = (long long)(kv_end + i / (ATTN_HEAD_DIM / 2)) * ld_kv + (i % (ATTN_HEAD_DIM / 2)) * 2;
+        *reinterpret_cast<float2*>(hs.dk + at) = make_float2(0.f, 0.f);
+        *reinterpret_cast<float2*>(hs.dv + at) = make_float2(0.f, 0.f);
+    }
+
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
         __syncthreads();  // the previous tile's readers of q_s / do_s are done
@@ -192,7 +200,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         float o_acc[NT_HD][4];
         zero<NT_HD>(o_acc);
 
-        for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
+        for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
             load_tile<ATTN_BLOCK_KV>(k_s, hs.k, ld_kv, kv0, n_text, bk);
             load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
@@ -239,7 +247,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         zero<NT_HD>(dq_acc);
         const bool accumulate = qt != tile_begin;
 
-        for (int kv0 = 0; kv0 < n_text; kv0 += ATTN_BLOCK_KV) {
+        for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
             load_tile<ATTN_BLOCK_KV>(k_s, hs.k, ld_kv, kv0, n_text, bk);
             load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
