@@ -6,15 +6,18 @@ scripts/initcheck_probe.py attention 1x100x93``:
 
     gemm       C = A @ B by cuBLAS (TF32, the backward's GEMM shape class), then a CuPy
                reduction reads C. A report here is about how cuBLAS wrote C, not about the reader.
-    attention  the fused attention kernel alone (shape BxNvxNt, default 2x64x77), its inputs copied from the host (cudaMemcpy),
-               its outputs poisoned first. A report here is a read of memory our code never wrote.
+    attention  the fused attention kernels alone (backward, then forward) on each shape (BxNvxNt
+               or BxNvxNt:D:H, default 2x64x77), with every text token and with padded
+               lengths; inputs copied from the host (cudaMemcpy), outputs poisoned first. A
+               report here is a read of memory our code never wrote.
 """
 import argparse
 
 import cupy
 import numpy
 
-from cupy_xattn import attention_bwd, gemm
+import sanitize
+from cupy_xattn import attention_bwd, attention_fwd, gemm
 from cupy_xattn.checks import Problem
 
 
@@ -27,29 +30,40 @@ def probe_gemm():
     print("gemm: sum of C =", float(c.sum()), flush=True)
 
 
-def probe_attention(batch_size=2, n_video=64, n_text=77, hidden=1024, heads=16):
+def probe_attention(shape, precision):
+    """Both attention kernels of one shape (BxNvxNt or BxNvxNt:D:H), every text token and then
+    random padded lengths; the backward's dK/dV reduction runs when its query rows are chunked."""
+    case, hidden, heads = sanitize.parse(shape)
+    b, nv, nt = case.batch_size, case.num_video_tokens, case.num_text_tokens
     rng = numpy.random.default_rng(0)
     host = lambda *shape: cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32))  # noqa: E731
-    q0, kv0, dout = host(batch_size * n_video, hidden), host(batch_size * n_text, 2 * hidden), host(
-        batch_size * n_video, hidden)
+    q0, kv0, dout = host(b * nv, hidden), host(b * nt, 2 * hidden), host(b * nv, hidden)
     biases = [host(hidden) for _ in range(3)]
-    table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
-    o, dq, dkv = (cupy.full(x.shape, numpy.nan, numpy.float32) for x in (q0, q0, kv0))
+    table = cupy.array([x.data.ptr for x in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
-    attention_bwd.AttentionBackward(problem, "tf32", sm_count)(q0, kv0, table.data.ptr, dout, o, dq, dkv)
-    print("attention: outputs finite:", all(bool(cupy.isfinite(x).all()) for x in (o, dq, dkv)), flush=True)
+    problem = Problem(b, nv, nt, hidden, heads, hidden // heads, (hidden // heads) ** -0.5)
+    backward = attention_bwd.AttentionBackward(problem, precision, sm_count)
+    forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
+    padded = cupy.asarray(rng.integers(1, nt + 1, b, dtype=numpy.int32))
+    for lengths in (cupy.full(b, nt, numpy.int32), padded):
+        o, dq, dkv, y = (cupy.full(x.shape, numpy.nan, numpy.float32) for x in (q0, q0, kv0, q0))  # poisoned
+        backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths)
+        forward(q0, kv0, table.data.ptr, lengths, y)
+        finite = all(bool(cupy.isfinite(x).all()) for x in (o, dq, dkv, y))
+        print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probe", choices=["gemm", "attention"])
-    parser.add_argument("shape", nargs="?", default="2x64x77", help="BxNvxNt of the attention probe")
+    parser.add_argument("shapes", nargs="*", default=["2x64x77"], help="BxNvxNt[:D:H] of the attention probe")
+    parser.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"])
     args = parser.parse_args()
     if args.probe == "gemm":
         probe_gemm()
     else:
-        probe_attention(*map(int, args.shape.split("x")))
+        for shape in args.shapes:
+            probe_attention(shape, args.precision)
 
 
 if __name__ == "__main__":
