@@ -7,12 +7,13 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
 
-In the tf32 mode dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
+In the tf32 and fp32 modes dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
 ``weights_t.py`` at the start), so that both operands of every such GEMM are K-major.
 
-Every GEMM runs at the mode's precision: fp32 (IEEE FFMA), tf32 (TF32 tensor cores) or fp16
-(operands copied to fp16 with per-tensor power-of-two scales, undone by each GEMM's alpha).
-The bias sums stay fp32 in every mode. Nothing uses atomics whose order varies: two calls give
+Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp32 (3xTF32: each product
+as three TF32 GEMMs over (hi, lo) splits of its operands, made by ``tf32_split.py``, for fp32
+accuracy at tensor-core speed) or fp16 (operands copied to fp16 with per-tensor power-of-two
+scales, undone by each GEMM's alpha). The bias sums stay fp32 (FFMA) in every mode. Nothing uses atomics whose order varies: two calls give
 bitwise-identical results.
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
@@ -31,11 +32,13 @@ CUDA graph and replayed with new arrays every call (see ``plans.py``).
 import numpy
 
 from . import _cublas
-from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
+from .gemm import (COMPUTE_32F as _COMPUTE_32F, COMPUTE_32F_FAST_TF32 as _COMPUTE_TF32, OP_N, OP_T, R_16F as _R_16F,
+                   R_32F as _R_32F)
 from ._cupy import import_cupy
 from .attention_bwd import AttentionBackward
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler
+from .tf32_split import Tf32Split
 from .weights_t import WeightsTransposed
 
 OUTPUT_NAMES = CrossAttentionGrads._fields
@@ -47,6 +50,10 @@ _DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B�
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
 _N_SLOTS = 9
+
+#: compute type of the projection GEMMs (fp16 data with fp32 compute selects fp16 tensor cores;
+#: fp32's products are each three TF32 GEMMs).
+_COMPUTE = {"fp32": _COMPUTE_TF32, "tf32": _COMPUTE_TF32, "fp16": _COMPUTE_32F}
 
 
 class PointerTable:
@@ -131,8 +138,10 @@ class Backward:
         self._join_lanes = _lane_join(self._lanes, self._events[1:])
         self._table = PointerTable()
         self._steps = []
-        self._compute = COMPUTE_TYPE[precision]
+        self._compute = _COMPUTE[precision]
         self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision == "fp16" else None
+        self._sm_count = sm_count
+        self._pairs = None  # fp32: the (hi, lo) operand copies (see _record)
         self._record(b, nv, nt, d)
         self._table.finalize()
 
@@ -145,7 +154,8 @@ class Backward:
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = 2 * (4 * mv * d + 3 * mt * d + 4 * d * d) if precision == "fp16" else 0
         transposed = 4 * 4 * d * d if precision == "tf32" else 0  # Wo^T; [Wq^T | Wk^T | Wv^T]
-        return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
+        pairs = 2 * 4 * sum(_pair_elements(mv, mt, d)) if precision == "fp32" else 0
+        return (fp32 + fp16 + transposed + pairs + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
     # -- recording ---------------------------------------------------------------------------
@@ -156,17 +166,26 @@ class Backward:
 
         a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
         row-major product is computed as c^T = op(b)^T op(a)^T, so b goes first.
+        In the fp32 mode a product at the default compute is three TF32 GEMMs, the small terms
+        first: lo(a)·b, a·lo(b), then a·b, with a and b addresses of hi copies (see _record).
         """
-        slot_b, slot_a, slot_c = self._table.add(*b), self._table.add(*a), self._table.add(*c)
-        alpha = self._constants.data.ptr + 4 if alpha is None else alpha
-        beta = self._constants.data.ptr + 4 * int(accumulate)
+        label = f"gemm {m}x{n}x{k}" + (f" x{len(c)}" if len(c) > 1 else "")
+        if self._pairs is None or compute is not None:
+            products = [(a, b, "")]
+        else:
+            lo = lambda entries: [entry + self._pairs.lo_offset for entry in entries]  # noqa: E731
+            products = [(lo(a), b, " lo·hi"), (a, lo(b), " hi·lo"), (a, b, " hi·hi")]
         compute = self._compute if compute is None else compute
-        batch = len(c)
+        alpha = self._constants.data.ptr + 4 if alpha is None else alpha
         table, handle = self._table, self._handles[lane]
-        self._steps.append((f"gemm {m}x{n}x{k}" + (f" x{batch}" if batch > 1 else ""), lambda: handle.gemm_batched(
-            OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
-            table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
-            beta, table.address(slot_c), _R_32F, ldc, batch, compute), lane))
+        for i, (a, b, part) in enumerate(products):
+            slot_b, slot_a, slot_c = self._table.add(*b), self._table.add(*a), self._table.add(*c)
+            beta = self._constants.data.ptr + 4 * int(accumulate or i > 0)
+            self._steps.append((label + part, lambda slot_a=slot_a, slot_b=slot_b, slot_c=slot_c, beta=beta:
+                                handle.gemm_batched(
+                                    OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
+                                    table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
+                                    beta, table.address(slot_c), _R_32F, ldc, len(c), compute), lane))
 
     def _fork(self):
         """Record: the side lanes wait for everything issued so far on the main lane."""
@@ -190,7 +209,8 @@ class Backward:
         mv, mt = b * nv, b * nt
         addr = lambda array, offset=0: array.data.ptr + offset  # noqa: E731
         dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
-        transposed = self.precision == "tf32"
+        transposed = self.precision != "fp16"
+        pairs = self.precision == "fp32"
 
         if self._scaler is None:
             X, T, DY = "video_latents", "text_embeddings", "grad_output"
@@ -198,13 +218,24 @@ class Backward:
             O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
             dtype = _R_32F
             alpha = lambda i, j: None  # noqa: E731
-            if transposed:
-                # The products with a weight on the right (dO, dX, dT) read W^T copies: see
-                # kernels_cu/weights_t.cu. The fp16 GEMMs read either layout at full speed; the
-                # fp32 (FFMA) ones were slower on several cases with the copies (docs/perf-notes.md).
+            if pairs:
+                # Every GEMM operand as a (hi, lo) pair: the names below become hi copies, and
+                # Wo^T, [Wq^T | Wk^T | Wv^T] are written into theirs and split in place.
+                self._pairs = _Pairs(cupy, mv, mt, d)
+                X, T, WQ, WK, WV, DY, WO_T, WQKV_T, O, DQ, DK = self._pairs.hi
+                DV = DK + 4 * d
+                stage_a = [("video_latents", mv * d, X), ("text_embeddings", mt * d, T), ("query_weight", d * d, WQ),
+                           ("key_weight", d * d, WK), ("value_weight", d * d, WV), ("grad_output", mv * d, DY)]
+                stage_b = [(addr(self._o), mv * d, O), (addr(self._dq), mv * d, DQ), (addr(self._dkv), mt * 2 * d, DK)]
+                self._record_split(stage_a, lane=0)
+            else:
                 self._wo_t, self._wqkv_t = cupy.empty((d, d), numpy.float32), cupy.empty((d, 3 * d), numpy.float32)
-                wo_t = WeightsTransposed(self._table.address(self._table.add(WO)), 1, self._wo_t, d)
-                wqkv_t = WeightsTransposed(self._table.address(self._table.add(WQ, WK, WV)), 3, self._wqkv_t, d)
+                WO_T, WQKV_T = addr(self._wo_t), addr(self._wqkv_t)
+            # The products with a weight on the right (dO, dX, dT) read W^T copies: see
+            # kernels_cu/weights_t.cu. (The fp16 GEMMs read either layout at full speed.)
+            wo_t = WeightsTransposed(self._table.address(self._table.add("output_weight")), 1, WO_T, d)
+            wqkv_t = WeightsTransposed(self._table.address(self._table.add("query_weight", "key_weight", "value_weight")),
+                                       3, WQKV_T, d)
         else:
             s = self._scaler
             h16 = lambda *shape: cupy.empty(shape, numpy.float16)  # noqa: E731
@@ -234,9 +265,13 @@ class Backward:
              ldc=2 * d, trans_b=True, data_type=dtype, alpha=alpha(_T, _WKV), lane=1)
         if transposed:  # dO = dY (Wo^T)^T; [Wq^T | Wk^T | Wv^T] for after the attention
             self._steps.append(("Wo^T", wo_t, 2))
-            gemm([DY], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
+            if pairs:
+                self._record_split([(WO_T, d * d, WO_T)], lane=2)
+            gemm([DY], [WO_T], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
                  data_type=dtype, lane=2)
             self._steps.append(("[Wq^T | Wk^T | Wv^T]", wqkv_t, 1))
+            if pairs:
+                self._record_split([(WQKV_T, 3 * d * d, WQKV_T)], lane=1)
         else:
             gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, data_type=dtype,
                  alpha=alpha(_DY, _WO), lane=2)
@@ -250,16 +285,18 @@ class Backward:
         self._steps.append(("attention", lambda: attention(*buffers), 0))
         if self._scaler is not None:
             self._record_conversions(stage_b)
+        elif pairs:
+            self._record_split(stage_b, lane=0)
 
         self._fork()
         if transposed:
-            gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
+            gemm([DQ], [WQKV_T], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
                  trans_b=True, data_type=dtype)
         else:
             gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
                  data_type=dtype, alpha=alpha(_DQ, _WQ))
         # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs when they
-        # share alpha (fp32, tf32); the fp16 mode's scales differ, so two calls there.
+        # share alpha (tf32, fp32); the fp16 mode's scales differ, so two calls there.
         self._gemm_group([(DY, O, "grad_output_weight", alpha(_DY, _O)),
                           (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
@@ -269,16 +306,12 @@ class Backward:
             # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
             parts = 2 if mt < _DT_SPLIT_ROWS else 1
             n = d // parts
-            gemm([DK] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
+            gemm([DK] * parts, [WQKV_T + 4 * (i * n * 3 * d + d) for i in range(parts)],
                  [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
                  ldb=3 * d, ldc=d, trans_b=True, data_type=dtype, lane=1)
-        elif self._scaler is not None:  # [Wk; Wv] is one fp16 copy: dT = [dK | dV] [Wk; Wv], one GEMM
+        else:  # fp16: [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
             gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
                  data_type=dtype, alpha=alpha(_DKV, _WKV), lane=1)
-        else:  # fp32: the caller's Wk and Wv are two arrays: dT = dK Wk, then += dV Wv
-            gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d, lane=1)
-            gemm([DV], [WV], ["grad_text_embeddings"], m=mt, n=d, k=d, lda=2 * d, ldb=d, ldc=d, accumulate=True,
-                 lane=1)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
              lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T), lane=1)
 
@@ -290,6 +323,13 @@ class Backward:
         gemm([ones, ones], [dk, dv], ["grad_key_bias", "grad_value_bias"], m=1, n=d, k=mt,
              lda=mt, ldb=2 * d, ldc=d, **fp32)
         self._join()
+
+    def _record_split(self, tensors, lane):
+        """Record the (hi, lo) splits of ``tensors`` [(source entry, size, hi address)] on ``lane``."""
+        first = self._table.add(*(source for source, *_ in tensors))
+        split = Tf32Split(self._table.address(first),
+                          [(size, hi, hi + self._pairs.lo_offset) for _, size, hi in tensors], self._sm_count)
+        self._steps.append((f"tf32 split x{len(tensors)}", split, lane))
 
     def _record_conversions(self, tensors):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest, slot)]."""
@@ -332,6 +372,25 @@ class Backward:
             # whoever orders itself after the main lane (and reuses these buffers) is after it too.
             self._join_lanes()
             raise
+
+
+def _pair_elements(mv, mt, d):
+    """Sizes (float32 elements, each rounded up to 256 bytes) of the fp32 mode's hi copies, in the
+    order of _Pairs.hi: X, T, Wq, Wk, Wv, dY, Wo^T, [Wq^T | Wk^T | Wv^T], O, dQ, [dK | dV]."""
+    sizes = [mv * d, mt * d, d * d, d * d, d * d, mv * d, d * d, 3 * d * d, mv * d, mv * d, 2 * mt * d]
+    return [-(-size // 64) * 64 for size in sizes]
+
+
+class _Pairs:
+    """The fp32 mode's (hi, lo) operand copies in one allocation: all hi copies, then all lo copies
+    in the same order, so that the lo of any hi address is that address + ``lo_offset``."""
+
+    def __init__(self, cupy, mv, mt, d):
+        sizes = _pair_elements(mv, mt, d)
+        self._buffer = cupy.empty(2 * sum(sizes), numpy.float32)
+        self.lo_offset = 4 * sum(sizes)
+        starts = numpy.cumsum([0] + sizes[:-1]).tolist()
+        self.hi = [self._buffer.data.ptr + 4 * start for start in starts]
 
 
 def _lane_fork(lanes, event):

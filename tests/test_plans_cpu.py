@@ -225,10 +225,12 @@ def _run_counts(log, start=0):
 
 
 # Kernels: the attention and its dK|dV chunk reduction (70 rows = 2 query tiles, split in 2);
-# tf32 adds the two weight transposes, fp16 the copy, rescale and alphas kernels for each of its
-# two groups of tensors.
-# GEMMs: dT is two in fp32 (dK Wk, then += dV Wv); dWo and dWq are two in fp16 (alphas differ).
-@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 4), ("fp32", 10, 2), ("fp16", 10, 8)])
+# tf32 adds the two weight transposes, fp32 those and four (hi, lo) splits (inputs, Wo^T,
+# [Wq^T | Wk^T | Wv^T], attention outputs), fp16 the copy, rescale and alphas kernels for each of
+# its two groups of tensors.
+# GEMMs: 7 products and 2 bias sums; each product is three GEMMs in fp32 (3xTF32); dWo and dWq
+# are two in fp16 (alphas differ).
+@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 4), ("fp32", 23, 8), ("fp16", 10, 8)])
 def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms, kernels):
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2, precision=precision)
@@ -412,7 +414,7 @@ def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(g
     assert checks.fast_validate(twice, **kwargs, out=out[:6] + [out[4]] + out[7:]) is None
 
 
-@pytest.mark.parametrize("precision", ["tf32", "fp16"])
+@pytest.mark.parametrize("precision", ["tf32", "fp32", "fp16"])
 @pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200)])
 def test_memory_estimate_matches_what_a_recording_allocates(gpu, monkeypatch, shape, precision):
     from cupy_xattn import backward
