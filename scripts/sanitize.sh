@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # compute-sanitizer's four tools over our kernels, on the 16 benchmark shapes and the edge shapes
 # (head_dim 128 ones included), each precision:
-#   memcheck, racecheck, synccheck: the whole library call per shape (scripts/sanitize.py:
-#     backward direct and replayed, backward with padded text lengths, forward), with only our
-#     kernels instrumented (KERNELS): cuBLAS then runs at full speed, so every shape fits;
-#   initcheck: the attention kernels alone (scripts/initcheck_probe.py attention), since initcheck
-#     does not see cuBLAS's sm_90 kernels write their outputs and flags every later read of them
-#     (docs/reliability.md).
+#   memcheck, synccheck: the whole library call per shape (scripts/sanitize.py: backward direct
+#     and replayed, backward with padded text lengths, forward), with only our kernels
+#     instrumented (KERNELS): cuBLAS then runs at full speed, so every shape fits;
+#   racecheck, initcheck: the attention kernels alone (scripts/initcheck_probe.py attention: both
+#     attention kernels and the dK/dV reduction, every text token and padded lengths). initcheck
+#     does not see cuBLAS's sm_90 kernels write their outputs and flags every later read of them;
+#     racecheck with cuBLAS left uninstrumented made a cuBLAS GEMM fault (H200, 9fbd32d), and
+#     instrumenting cuBLAS too takes minutes per small shape (docs/reliability.md).
 #
 #   bash scripts/sanitize.sh                                   # everything
 #   SHAPES="2x64x77 1x100x93:256:2" TOOLS="memcheck" PRECISIONS="tf32" bash scripts/sanitize.sh
@@ -32,8 +34,8 @@ status=0
 for tool in $TOOLS; do
     for precision in $PRECISIONS; do
         log="$logs/$tool-$precision.log"
-        if [ "$tool" = initcheck ]; then
-            command=(python3 scripts/initcheck_probe.py attention --precision "$precision" $SHAPES)
+        if [ "$tool" = initcheck ] || [ "$tool" = racecheck ]; then
+            command=(python3 scripts/initcheck_probe.py --precision "$precision" attention $SHAPES)
             only=()
         else
             command=(python3 scripts/sanitize.py --precision "$precision" $SHAPES)
