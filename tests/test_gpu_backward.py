@@ -63,15 +63,27 @@ def test_suite_case_passes_the_benchmark_rule_in_every_precision(case, seed):
     assert not any(failed.values()), f"{case.label} seed {seed}: {failed}"
 
 
+#: fp32's bound (max relative error of any output): its 3xTF32 GEMMs leave the tensor cores' fp32
+#: accumulation error, ~1e-5 to 3e-5 on the suite (docs/accuracy.md), against ~1e-3 for tf32.
+FP32_ERROR = 5e-5
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", [SUITE[0], SUITE[5], SUITE[6]], ids=lambda c: c.label)
-def test_error_at_most_twice_the_naive_composition(case, precision):
+def test_error_against_the_naive_composition(case, precision):
+    # tf32, fp16: at most twice the error of the same precision composed from plain CuPy calls.
+    # fp32 (3xTF32) against the naive fp32 (FFMA): at most FP32_ERROR, and a tenth of the tf32
+    # mode's error at most, so the (hi, lo) compensation is doing its work.
     from cupy_xattn import naive
     inputs, ref = _case_data(case, 21)
     gpu_inputs = _on_gpu(inputs)
     ours = _relative_errors(cross_attention_backward(**gpu_inputs, precision=precision), ref)
+    if precision == "fp32":
+        tf32 = _relative_errors(cross_attention_backward(**gpu_inputs, precision="tf32"), ref)
+        assert max(ours.values()) <= min(FP32_ERROR, max(tf32.values()) / 10), (ours, tf32)
+        return
     baseline = _relative_errors(naive.backward(gpu_inputs, precision=precision), ref)
-    # A floor of 1e-6 relative keeps fp32 outputs whose naive error is ~0 from failing on noise.
+    # A floor of 1e-6 keeps outputs summed in fp32 in both (bias gradients) from failing on noise.
     worse = {name: (ours[name], baseline[name]) for name in ours if ours[name] > 2 * baseline[name] + 1e-6}
     assert not worse, f"(ours, naive) relative errors: {worse}"
 
