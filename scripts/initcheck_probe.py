@@ -2,14 +2,16 @@
 
 initcheck flags a read of global memory that no tracked write initialised. Two probes, each run
 under initcheck, e.g. ``PYTHONPATH=. compute-sanitizer --tool initcheck python3
-scripts/initcheck_probe.py attention 1x100x93``:
+scripts/initcheck_probe.py kernels 1x100x93``:
 
     gemm       C = A @ B by cuBLAS (TF32, the backward's GEMM shape class), then a CuPy
                reduction reads C. A report here is about how cuBLAS wrote C, not about the reader.
-    attention  the fused attention kernels alone (backward, then forward) on each shape (BxNvxNt
-               or BxNvxNt:D:H, default 2x64x77), with every text token and with padded
-               lengths; inputs copied from the host (cudaMemcpy), outputs poisoned first. A
-               report here is a read of memory our code never wrote.
+    kernels    every kernel of ours alone, on each shape (BxNvxNt or BxNvxNt:D:H, default
+               2x64x77): the fused attention kernels (backward, then forward) with every text
+               token and with padded lengths, then the fp16 scaling, the TF32 split and the
+               weight transposes on tensors of the backward's sizes; inputs copied from the
+               host (cudaMemcpy), outputs poisoned first. A report here is a read of memory our
+               code never wrote. scripts/sanitize.sh runs racecheck on this probe too.
 """
 import argparse
 
@@ -19,6 +21,9 @@ import numpy
 import sanitize
 from cupy_xattn import attention_bwd, attention_fwd, gemm
 from cupy_xattn.checks import Problem
+from cupy_xattn.half_scaling import HalfScaler
+from cupy_xattn.tf32_split import Tf32Split
+from cupy_xattn.weights_t import WeightsTransposed
 
 
 def probe_gemm():
@@ -53,10 +58,31 @@ def probe_attention(shape, precision):
         print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)
 
 
+def probe_conversions(shape):
+    """fp16 scaling, TF32 split and weight transposes of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV]."""
+    case, d, _ = sanitize.parse(shape)
+    mv, mt = case.batch_size * case.num_video_tokens, case.batch_size * case.num_text_tokens
+    sizes = [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
+    rng = numpy.random.default_rng(0)
+    sources = [cupy.asarray(rng.standard_normal(size, dtype=numpy.float32)) for size in sizes]
+    table = cupy.array([x.data.ptr for x in sources], numpy.uint64)
+    sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+    halves = [cupy.full(size, numpy.nan, numpy.float16) for size in sizes]
+    scaler = HalfScaler(len(sizes), sm_count)
+    copy, rescale = scaler.group(table.data.ptr, [(size, half, i) for i, (size, half) in enumerate(zip(sizes, halves))])
+    copy(), rescale(), scaler.update_alphas()
+    pairs = [(cupy.full(size, numpy.nan, numpy.float32), cupy.full(size, numpy.nan, numpy.float32)) for size in sizes]
+    Tf32Split(table.data.ptr, [(size, hi.data.ptr, lo.data.ptr) for size, (hi, lo) in zip(sizes, pairs)], sm_count)()
+    transposed = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
+    WeightsTransposed(table.data.ptr + 8 * 2, 4, transposed.data.ptr, d)()
+    finite = all(bool(cupy.isfinite(x).all()) for x in [*halves, *(x for pair in pairs for x in pair), transposed])
+    print(f"conversions {shape}: outputs finite: {finite}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=["gemm", "attention"])
-    parser.add_argument("shapes", nargs="*", default=["2x64x77"], help="BxNvxNt[:D:H] of the attention probe")
+    parser.add_argument("probe", choices=["gemm", "kernels"])
+    parser.add_argument("shapes", nargs="*", default=["2x64x77"], help="BxNvxNt[:D:H] of the kernels probe")
     parser.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "fp16"])
     args = parser.parse_args()
     if args.probe == "gemm":
@@ -64,6 +90,7 @@ def main():
     else:
         for shape in args.shapes:
             probe_attention(shape, args.precision)
+            probe_conversions(shape)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 #   memcheck, synccheck: the whole library call per shape (scripts/sanitize.py: backward direct
 #     and replayed, backward with padded text lengths, forward), with only our kernels
 #     instrumented (KERNELS): cuBLAS then runs at full speed, so every shape fits;
-#   racecheck, initcheck: the attention kernels alone (scripts/initcheck_probe.py attention: both
-#     attention kernels and the dK/dV reduction, every text token and padded lengths). initcheck
+#   racecheck, initcheck: our kernels alone (scripts/initcheck_probe.py kernels: both attention
+#     kernels and the dK/dV reduction, every text token and padded lengths; the fp16 scaling, the
+#     TF32 split and the weight transposes on tensors of the backward's sizes). initcheck
 #     does not see cuBLAS's sm_90 kernels write their outputs and flags every later read of them;
 #     racecheck with cuBLAS left uninstrumented made a cuBLAS GEMM fault (H200, 9fbd32d), and
 #     instrumenting cuBLAS too takes minutes per small shape (docs/reliability.md).
@@ -35,7 +36,7 @@ for tool in $TOOLS; do
     for precision in $PRECISIONS; do
         log="$logs/$tool-$precision.log"
         if [ "$tool" = initcheck ] || [ "$tool" = racecheck ]; then
-            command=(python3 scripts/initcheck_probe.py --precision "$precision" attention $SHAPES)
+            command=(python3 scripts/initcheck_probe.py --precision "$precision" kernels $SHAPES)
             only=()
         else
             command=(python3 scripts/sanitize.py --precision "$precision" $SHAPES)
