@@ -45,7 +45,7 @@ OUTPUT_NAMES = CrossAttentionGrads._fields
 
 _H2D = 1
 _LANES = 3  # the main stream and two forked streams
-_DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B·Nt (see _record)
+_DT_SPLIT_ROWS = 96  # tf32 and fp32 dT run as two column halves below this many rows B·Nt (see _record)
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)

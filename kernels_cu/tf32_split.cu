@@ -5,10 +5,12 @@
 //   hi = x rounded to TF32 (the low 13 mantissa bits zero, so the GEMM reads it exactly, whether
 //        its conversion rounds or truncates), and
 //   lo = x − hi, exact in fp32, |lo| ≤ 2^-11 |x|; the GEMM's TF32 reading of lo is off by at most
-//        2^-11 |lo| ≤ 2^-22 |x|.
-// What is left out, lo_A·lo_B and those TF32 readings of lo, is ~2^-21 relative to |A|·|B|: below
-// the fp32 accumulation's own error over the thousands of terms of these products.
-// Non-finite x: hi = x and lo = 0, so Inf stays Inf (x − x would make it NaN).
+//        2^-10 |lo| ≤ 2^-21 |x| (truncated; half that if rounded).
+// What is left out, lo_A·lo_B and those TF32 readings of lo, is ~2^-20 relative to |A|·|B|; the
+// tensor cores' fp32 accumulation over thousands of terms costs more (docs/perf-notes.md).
+// Non-finite x: hi = x and lo = 0 (x − x would be NaN); an Inf still meets lo = 0 of the other
+// operand in the correction products, so outputs it touches may be NaN where fp32 gives Inf.
+// Finite x that round to Inf (|x| ≥ 0x7f7ff000, ~3.4e38) are truncated instead.
 //
 // A group of n tensors is split by one launch, blockIdx.y picking the tensor: sources[i] is a slot
 // of the plan's pointer table (the caller's arrays move from call to call); meta holds n4[i]
@@ -24,9 +26,13 @@ __device__ __forceinline__ float tf32_round(float x) {
 }
 
 __device__ __forceinline__ void split(float x, float& hi, float& lo) {
+    if (!isfinite(x)) {
+        hi = x, lo = 0.f;
+        return;
+    }
     hi = tf32_round(x);
-    lo = isfinite(x) ? x - hi : 0.f;
-    hi = isfinite(x) ? hi : x;
+    if (isinf(hi)) hi = __uint_as_float(__float_as_uint(x) & 0xffffe000u);  // rounded past the largest float
+    lo = x - hi;
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)

@@ -37,7 +37,7 @@ def three_tf32(a, b, chunks=1, own_hi=False):
     tf32 = dict(trans_b=True, compute=gemm.COMPUTE_32F_FAST_TF32)
     gemm.matmul(a_lo, b_hi, c, **tf32)
     gemm.matmul(a_hi, b_lo, c, accumulate=True, **tf32)
-    step = a.shape[1] // chunks
+    step = max(1, a.shape[1] // chunks)
     for k in range(0, a.shape[1], step):
         gemm.matmul(a_hi[:, k:k + step], b_hi[:, k:k + step], c, accumulate=True, **tf32)
     return c
