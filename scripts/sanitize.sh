@@ -17,8 +17,8 @@
 # RUN_SECONDS (default 600) bounds each tool × precision run: a run cut short still reports what
 # it found (exit 124, and the kernels its reports name), so the next run gets its turn.
 # Logs go to $OUT/sanitizer-logs when $OUT is set (the lent device machines), else ./sanitizer-logs;
-# one line per run with compute-sanitizer's ERROR SUMMARY. Exit status 1 if any run reports an error
-# or is cut short.
+# one line per run with compute-sanitizer's ERROR SUMMARY. Exit status 1 if any run reports an error,
+# finds an output not finite (the drivers exit 1: outputs start as NaN), or is cut short.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD"
@@ -43,7 +43,7 @@ for tool in $TOOLS; do
             only=()
             for name in $KERNELS; do only+=(--kernel-name "kns=$name"); done
         fi
-        timeout "$RUN_SECONDS" compute-sanitizer --tool "$tool" "${only[@]}" --error-exitcode 1 "${command[@]}" \
+        timeout "$RUN_SECONDS" compute-sanitizer --tool "$tool" ${only[@]+"${only[@]}"} --error-exitcode 1 "${command[@]}" \
             > "$log" 2>&1
         rc=$?
         summary="$(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -1)"

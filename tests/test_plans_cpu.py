@@ -242,6 +242,41 @@ def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms,
     assert _run_counts(gpu, mark) == {"gemm": 0, "kernel": 0, "graph": 1, "copy": 1}
 
 
+@pytest.mark.parametrize("shape", [(2, 70, 20), (4, 64, 200)])  # dT as two column halves, as one product
+def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, shape):
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    from cupy_xattn.gemm import R_16F
+    calls = []
+
+    class RecordingHandle(backward._cublas.Handle):
+        def gemm_batched(self, *args):
+            calls.append((self.stream.ptr, args))
+            super().gemm_batched(*args)
+    monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
+    program = backward.Backward(Problem(*shape, 128, 2, 64, 0.125), "fp32", gpu.null, 132)
+    program.run()
+    table, entries = program._table.device.data.ptr, program._table._entries
+    lo_offset, one = program._lo_offset, program._constants.data.ptr + 4
+    copies = program._halves.data.ptr  # the fp16 copies; their remainders from lo_offset on
+
+    def operands(address, batch):
+        return entries[(address - table) // 8:(address - table) // 8 + batch]
+
+    products = [(lane, args) for lane, args in calls if args[7] == R_16F]
+    assert len(products) == 24  # 8 products (dWo and dWq apart: alphas differ), three GEMMs each
+    for i in range(0, len(products), 3):
+        (lane_1, lo_hi), (lane_2, hi_lo), (lane_3, hi_hi) = products[i:i + 3]
+        assert lane_1 == lane_2 == lane_3 and lo_hi[5] == hi_lo[5] == hi_hi[5]  # one lane, one alpha
+        assert [g[12] for g in (lo_hi, hi_lo, hi_hi)] == [one - 4, one, one]  # beta 0, then accumulate
+        batch = hi_hi[-2]
+        b, a, c = (operands(hi_hi[k], batch) for k in (6, 9, 13))  # cuBLAS gets b first (column-major)
+        assert all(isinstance(e, int) and copies <= e < copies + lo_offset for e in a + b)
+        assert operands(lo_hi[9], batch) == [e + lo_offset for e in a] and operands(lo_hi[6], batch) == b
+        assert operands(hi_lo[6], batch) == [e + lo_offset for e in b] and operands(hi_lo[9], batch) == a
+        assert operands(lo_hi[13], batch) == operands(hi_lo[13], batch) == c
+
+
 def test_the_pointer_table_gets_every_caller_address(gpu):
     import cupy_xattn
     from cupy_xattn.grads import INPUT_NAMES
