@@ -15,8 +15,8 @@
 //   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; guess = 1/inv_scale and
 //                     amax_bits zeroed, for the next group or run         one block, n·n ≤ 1024
 //
-// max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
-// bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
+// max|x| is taken over the finite elements (as unsigned float bits: non-negative floats order like
+// their bits), so an Inf or NaN does not set the scale of the rest; it is copied as Inf or NaN.
 //
 // The fp32 mode (3xFP16) also keeps what the fp16 copy left out: lo = half(x · s − float(y)), the
 // remainder (exact in fp32, s being a power of two) rounded to fp16 at the same scale, so a
@@ -44,7 +44,7 @@ __device__ __forceinline__ uint2* group_lo(const long long* meta, int n, int i) 
 
 __device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
     const float amax = __uint_as_float(amax_bits);
-    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // zero, inf or NaN: leave as is
+    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // no finite element other than 0: leave as is
     int e;
     frexpf(amax, &e);  // amax < 2^e
     return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
@@ -67,7 +67,13 @@ __device__ __forceinline__ float half_round(float x) {
     return r;
 }
 
-__device__ __forceinline__ float remainder_of_half(float x) { return isfinite(x) ? x - half_round(x) : 0.f; }
+// The remainder, 0 where x or its fp16 copy is not finite (Inf − Inf would be NaN).
+__device__ __forceinline__ float remainder_of_half(float x) {
+    const float h = half_round(x);
+    return isfinite(x) && isfinite(h) ? x - h : 0.f;
+}
+
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
 
 // y[j] = half(v · s), and lo[j] = its remainder when lo is not null.
 __device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, float4 v, float s) {
@@ -88,15 +94,13 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     uint2* lo = group_lo(meta, n, i);
     const long long n4 = group_n4(meta, i);
     float m = 0.f;
-    bool nan = false;  // fmaxf drops NaN operands, so NaN is tracked on the side
     for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
          j += (long long)gridDim.x * HALF_THREADS) {
         const float4 v = x[j];
         store_scaled(y, lo, j, v, s);
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        nan |= v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
+        m = fmaxf(m, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
     }
-    unsigned bits = nan ? 0x7fc00000u : __float_as_uint(m);
+    unsigned bits = __float_as_uint(m);
     for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
     __shared__ unsigned warp_max[HALF_THREADS / 32];
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;

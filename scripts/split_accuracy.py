@@ -32,7 +32,6 @@ def three_tf32(a, b):
     tf32 = dict(trans_b=True, compute=gemm.COMPUTE_32F_FAST_TF32)
     gemm.matmul(a_lo, b_hi, c, **tf32)
     gemm.matmul(a_hi, b_lo, c, accumulate=True, **tf32)
-<<<<<<< HEAD
     return gemm.matmul(a_hi, b_hi, c, accumulate=True, **tf32)
 
 
@@ -51,10 +50,7 @@ def three_fp16(a, b, chunks=1):
     fp16 = dict(trans_b=True, compute=gemm.COMPUTE_32F, alpha=alpha)
     gemm.matmul(a_lo, b_hi, c, **fp16)
     gemm.matmul(a_hi, b_lo, c, accumulate=True, **fp16)
-    step = a.shape[1] // chunks
-=======
     step = max(1, a.shape[1] // chunks)
->>>>>>> main
     for k in range(0, a.shape[1], step):
         gemm.matmul(a_hi[:, k:k + step], b_hi[:, k:k + step], c, accumulate=True, **fp16)
     return c

@@ -7,8 +7,10 @@ from cupy_xattn.half_scaling import HalfScaler
 pytestmark = pytest.mark.gpu
 
 
-def _convert(tensors, with_lo=True):
-    """fp16 copies, remainders (or None) and inverse scales of float32 CuPy ``tensors``, one slot each."""
+def _convert(tensors, with_lo=True, runs=1):
+    """fp16 copies, remainders (or None) and inverse scales of float32 CuPy ``tensors``, one slot
+    each, after ``runs`` runs of one scaler (from the second on, the guessed scales are right and
+    the copy pass's output stands)."""
     import cupy
     scaler = HalfScaler(len(tensors), 132)
     table = cupy.array([x.data.ptr for x in tensors], numpy.uint64)
@@ -16,7 +18,8 @@ def _convert(tensors, with_lo=True):
                else None) for x in tensors]
     copy, rescale = scaler.group(table.data.ptr, [(x.size, hi.data.ptr, i, 0 if lo is None else lo.data.ptr)
                                                   for i, (x, (hi, lo)) in enumerate(zip(tensors, halves))])
-    copy(), rescale(), scaler.update_alphas()
+    for _ in range(runs):
+        copy(), rescale(), scaler.update_alphas()
     return halves, cupy.asnumpy(scaler.inverse_scales())
 
 
@@ -28,6 +31,11 @@ def test_copy_plus_remainder_recovers_the_tensor_to_2_to_the_minus_22():
     tensors = [cupy.asarray(v.astype(numpy.float32)) for v in values]
     halves, inverse = _convert(tensors)
     plain, _ = _convert(tensors, with_lo=False)
+    steady, steady_inverse = _convert(tensors, runs=2)  # the second run's copies come from the copy pass
+    numpy.testing.assert_array_equal(inverse, steady_inverse)
+    for (hi, lo), (steady_hi, steady_lo) in zip(halves, steady):
+        numpy.testing.assert_array_equal(cupy.asnumpy(hi), cupy.asnumpy(steady_hi))
+        numpy.testing.assert_array_equal(cupy.asnumpy(lo), cupy.asnumpy(steady_lo))
     for x, (hi, lo), (plain_hi, _), inv in zip(tensors, halves, plain, inverse):
         x = cupy.asnumpy(x).astype(numpy.float64)
         hi, lo = cupy.asnumpy(hi).astype(numpy.float64), cupy.asnumpy(lo).astype(numpy.float64)
@@ -38,10 +46,13 @@ def test_copy_plus_remainder_recovers_the_tensor_to_2_to_the_minus_22():
         assert numpy.abs(hi * inv - x).max() / numpy.abs(x).max() > 2.0 ** -14  # the remainder matters
 
 
-def test_remainders_of_inf_and_nan_are_zero():
+def test_inf_and_nan_are_copied_with_zero_remainders_and_do_not_set_the_scale():
     import cupy
-    x = cupy.asarray(numpy.array([1.0, -numpy.inf, numpy.inf, 0.5, numpy.nan, 3.0, -2.0, 1e-3], numpy.float32))
-    ((hi, lo),), _ = _convert([x])
-    hi, lo = cupy.asnumpy(hi), cupy.asnumpy(lo)
+    x = numpy.array([1e5, -numpy.inf, numpy.inf, 0.5, numpy.nan, 3.0, -2.0, 1e-3], numpy.float32)
+    ((hi, lo),), inverse = _convert([cupy.asarray(x)])
+    hi, lo = cupy.asnumpy(hi).astype(numpy.float64), cupy.asnumpy(lo).astype(numpy.float64)
     assert numpy.isneginf(hi[1]) and numpy.isposinf(hi[2]) and numpy.isnan(hi[4])
     assert (lo[[1, 2, 4]] == 0).all() and numpy.isfinite(lo).all()
+    assert inverse[0] == 2.0 ** 3  # from max|x| = 1e5 < 2^17 over the finite elements: s = 2^(14 − 17)
+    finite = numpy.isfinite(x)
+    assert numpy.abs((hi + lo)[finite] * inverse[0] - x[finite]).max() <= 2.0 ** -22 * 1e5
