@@ -13,8 +13,8 @@ In the tf32 and fp32 modes dO, dX and dT read transposed copies of Wo, Wq and [W
 Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp32 (3xTF32: each product
 as three TF32 GEMMs over (hi, lo) splits of its operands, made by ``tf32_split.py``, for fp32
 accuracy at tensor-core speed) or fp16 (operands copied to fp16 with per-tensor power-of-two
-scales, undone by each GEMM's alpha). The bias sums stay fp32 (FFMA) in every mode. Nothing uses atomics whose order varies: two calls give
-bitwise-identical results.
+scales, undone by each GEMM's alpha). The bias sums stay fp32 (FFMA) in every mode. Nothing uses
+atomics whose order varies: two calls give bitwise-identical results.
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
@@ -233,9 +233,9 @@ class Backward:
                 WO_T, WQKV_T = addr(self._wo_t), addr(self._wqkv_t)
             # The products with a weight on the right (dO, dX, dT) read W^T copies: see
             # kernels_cu/weights_t.cu. (The fp16 GEMMs read either layout at full speed.)
-            wo_t = WeightsTransposed(self._table.address(self._table.add("output_weight")), 1, WO_T, d)
-            wqkv_t = WeightsTransposed(self._table.address(self._table.add("query_weight", "key_weight", "value_weight")),
-                                       3, WQKV_T, d)
+            table = self._table
+            wo_t = WeightsTransposed(table.address(table.add("output_weight")), 1, WO_T, d)
+            wqkv_t = WeightsTransposed(table.address(table.add("query_weight", "key_weight", "value_weight")), 3, WQKV_T, d)
         else:
             s = self._scaler
             h16 = lambda *shape: cupy.empty(shape, numpy.float16)  # noqa: E731
