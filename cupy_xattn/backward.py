@@ -13,8 +13,8 @@ In the tf32 mode dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (ma
 Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operands copied to fp16
 with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
 mode's copies and their remainders, each product as three fp16 GEMMs, hi·hi + hi·lo + lo·hi, for
-near-fp32 accuracy at fp16 tensor-core speed). The bias sums stay fp32 (FFMA) in every mode. Nothing uses atomics whose order varies: two calls give
-bitwise-identical results.
+near-fp32 accuracy at fp16 tensor-core speed). The bias sums stay fp32 (FFMA) in every mode.
+Nothing uses atomics whose order varies: two calls give bitwise-identical results.
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,

@@ -50,7 +50,8 @@ def main():
     parts = [
         ("cross_attention_backward(..., out=out)",
          lambda: cupy_xattn.cross_attention_backward(**inputs, precision=args.precision, out=out)),
-        ("cross_attention_backward(...)", lambda: cupy_xattn.cross_attention_backward(**inputs, precision=args.precision)),
+        ("cross_attention_backward(...)",
+         lambda: cupy_xattn.cross_attention_backward(**inputs, precision=args.precision)),
         ("plan(..., out=out)", lambda: plan(**inputs, out=out)),
         ("  checks.fast_validate (out given)", lambda: checks.fast_validate(arrays, **options, out=out)),
         ("  plan.launch (addresses given)", lambda: plan.launch(arrays, problem.scale, out, addresses)),
