@@ -7,14 +7,14 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
 
-In the tf32 and fp32 modes dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
+In the tf32 mode dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
 ``weights_t.py`` at the start), so that both operands of every such GEMM are K-major.
 
-Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp32 (3xTF32: each product
-as three TF32 GEMMs over (hi, lo) splits of its operands, made by ``tf32_split.py``, for fp32
-accuracy at tensor-core speed) or fp16 (operands copied to fp16 with per-tensor power-of-two
-scales, undone by each GEMM's alpha). The bias sums stay fp32 (FFMA) in every mode. Nothing uses
-atomics whose order varies: two calls give bitwise-identical results.
+Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operands copied to fp16
+with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
+mode's copies and their remainders, each product as three fp16 GEMMs, hi·hi + hi·lo + lo·hi, for
+near-fp32 accuracy at fp16 tensor-core speed). The bias sums stay fp32 (FFMA) in every mode.
+Nothing uses atomics whose order varies: two calls give bitwise-identical results.
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
@@ -38,22 +38,21 @@ from ._cupy import import_cupy
 from .attention_bwd import AttentionBackward
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler
-from .tf32_split import Tf32Split
 from .weights_t import WeightsTransposed
 
 OUTPUT_NAMES = CrossAttentionGrads._fields
 
 _H2D = 1
 _LANES = 3  # the main stream and two forked streams
-_DT_SPLIT_ROWS = 96  # tf32 and fp32 dT run as two column halves below this many rows B·Nt (see _record)
+_DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B·Nt (see _record)
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
 _N_SLOTS = 9
 
 #: compute type of the projection GEMMs (fp16 data with fp32 compute selects fp16 tensor cores;
-#: fp32's products are each three TF32 GEMMs).
-_COMPUTE = {"fp32": _COMPUTE_TF32, "tf32": _COMPUTE_TF32, "fp16": _COMPUTE_32F}
+#: fp32's products are each three fp16 GEMMs).
+_COMPUTE = {"fp32": _COMPUTE_32F, "tf32": _COMPUTE_TF32, "fp16": _COMPUTE_32F}
 
 
 class PointerTable:
@@ -139,9 +138,8 @@ class Backward:
         self._table = PointerTable()
         self._steps = []
         self._compute = _COMPUTE[precision]
-        self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision == "fp16" else None
-        self._sm_count = sm_count
-        self._pairs = None  # fp32: the (hi, lo) operand copies (see _record)
+        self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision in ("fp16", "fp32") else None
+        self._lo_offset = None  # fp32: bytes from an fp16 copy to its remainders (see _record)
         self._record(b, nv, nt, d)
         self._table.finalize()
 
@@ -152,10 +150,9 @@ class Backward:
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
-        fp16 = 2 * (4 * mv * d + 3 * mt * d + 4 * d * d) if precision == "fp16" else 0
+        fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         transposed = 4 * 4 * d * d if precision == "tf32" else 0  # Wo^T; [Wq^T | Wk^T | Wv^T]
-        pairs = 2 * 4 * sum(_pair_elements(mv, mt, d)) if precision == "fp32" else 0
-        return (fp32 + fp16 + transposed + pairs + AttentionBackward.workspace_bytes(problem, precision, sm_count)
+        return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
     # -- recording ---------------------------------------------------------------------------
@@ -166,14 +163,14 @@ class Backward:
 
         a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
         row-major product is computed as c^T = op(b)^T op(a)^T, so b goes first.
-        In the fp32 mode a product at the default compute is three TF32 GEMMs, the small terms
-        first: lo(a)·b, a·lo(b), then a·b, with a and b addresses of hi copies (see _record).
+        In the fp32 mode a product at the default compute is three fp16 GEMMs, the small terms
+        first: lo(a)·b, a·lo(b), then a·b, with a and b addresses of fp16 copies (see _record).
         """
         label = f"gemm {m}x{n}x{k}" + (f" x{len(c)}" if len(c) > 1 else "")
-        if self._pairs is None or compute is not None:
+        if self._lo_offset is None or compute is not None:
             products = [(a, b, "")]
         else:
-            lo = lambda entries: [entry + self._pairs.lo_offset for entry in entries]  # noqa: E731
+            lo = lambda entries: [entry + self._lo_offset for entry in entries]  # noqa: E731
             products = [(lo(a), b, " lo·hi"), (a, lo(b), " hi·lo"), (a, b, " hi·hi")]
         compute = self._compute if compute is None else compute
         alpha = self._constants.data.ptr + 4 if alpha is None else alpha
@@ -209,8 +206,7 @@ class Backward:
         mv, mt = b * nv, b * nt
         addr = lambda array, offset=0: array.data.ptr + offset  # noqa: E731
         dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
-        transposed = self.precision != "fp16"
-        pairs = self.precision == "fp32"
+        transposed = self.precision == "tf32"
 
         if self._scaler is None:
             X, T, DY = "video_latents", "text_embeddings", "grad_output"
@@ -218,44 +214,31 @@ class Backward:
             O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
             dtype = _R_32F
             alpha = lambda i, j: None  # noqa: E731
-            if pairs:
-                # Every GEMM operand as a (hi, lo) pair: the names below become hi copies, and
-                # Wo^T, [Wq^T | Wk^T | Wv^T] are written into theirs and split in place.
-                self._pairs = _Pairs(cupy, mv, mt, d)
-                X, T, WQ, WK, WV, DY, WO_T, WQKV_T, O, DQ, DK = self._pairs.hi
-                DV = DK + 4 * d
-                stage_a = [("video_latents", mv * d, X), ("text_embeddings", mt * d, T), ("query_weight", d * d, WQ),
-                           ("key_weight", d * d, WK), ("value_weight", d * d, WV), ("grad_output", mv * d, DY)]
-                stage_b = [(addr(self._o), mv * d, O), (addr(self._dq), mv * d, DQ), (addr(self._dkv), mt * 2 * d, DK)]
-                self._record_split(stage_a, lane=0)
-            else:
-                self._wo_t, self._wqkv_t = cupy.empty((d, d), numpy.float32), cupy.empty((d, 3 * d), numpy.float32)
-                WO_T, WQKV_T = addr(self._wo_t), addr(self._wqkv_t)
             # The products with a weight on the right (dO, dX, dT) read W^T copies: see
-            # kernels_cu/weights_t.cu. (The fp16 GEMMs read either layout at full speed.)
-            table = self._table
-            wo_t = WeightsTransposed(table.address(table.add("output_weight")), 1, WO_T, d)
-            wqkv_t = WeightsTransposed(table.address(table.add("query_weight", "key_weight", "value_weight")), 3, WQKV_T, d)
+            # kernels_cu/weights_t.cu. The fp16 GEMMs read either layout at full speed.
+            self._wo_t, self._wqkv_t = cupy.empty((d, d), numpy.float32), cupy.empty((d, 3 * d), numpy.float32)
+            wo_t = WeightsTransposed(self._table.address(self._table.add(WO)), 1, self._wo_t.data.ptr, d)
+            wqkv_t = WeightsTransposed(self._table.address(self._table.add(WQ, WK, WV)), 3, self._wqkv_t.data.ptr, d)
         else:
-            s = self._scaler
-            h16 = lambda *shape: cupy.empty(shape, numpy.float16)  # noqa: E731
-            x_h, t_h, wq_h, wkv_h, wo_h, dy_h = h16(mv, d), h16(mt, d), h16(d, d), h16(2 * d, d), h16(d, d), h16(mv, d)
-            o_h, dq_h, dkv_h = h16(mv, d), h16(mv, d), h16(mt, 2 * d)
-            self._halves = (x_h, t_h, wq_h, wkv_h, wo_h, dy_h, o_h, dq_h, dkv_h)  # keep alive
+            # fp16 copies (fp32: and their remainders, at lo_offset from each copy), one allocation.
+            sizes = _half_elements(mv, mt, d)
+            copies = 2 if self.precision == "fp32" else 1
+            self._halves = cupy.empty(copies * sum(sizes), numpy.float16)
+            if copies == 2:
+                self._lo_offset = 2 * sum(sizes)
+            X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
+                                               for start in numpy.cumsum([0] + sizes[:-1]).tolist())
+            WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
             # (source entry, element count, fp16 destination, scale slot)
-            stage_a = [("video_latents", mv * d, x_h, _X), ("text_embeddings", mt * d, t_h, _T),
-                       ("query_weight", d * d, wq_h, _WQ), ("key_weight", d * d, wkv_h[:d], _WKV),
-                       ("value_weight", d * d, wkv_h[d:], _WKV), ("output_weight", d * d, wo_h, _WO),
-                       ("grad_output", mv * d, dy_h, _DY)]
-            stage_b = [(addr(self._o), mv * d, o_h, _O), (addr(self._dq), mv * d, dq_h, _DQ),
-                       (addr(self._dkv), mt * 2 * d, dkv_h, _DKV)]
+            stage_a = [("video_latents", mv * d, X, _X), ("text_embeddings", mt * d, T, _T),
+                       ("query_weight", d * d, WQ, _WQ), ("key_weight", d * d, WK, _WKV),
+                       ("value_weight", d * d, WV, _WKV), ("output_weight", d * d, WO, _WO),
+                       ("grad_output", mv * d, DY, _DY)]
+            stage_b = [(addr(self._o), mv * d, O, _O), (addr(self._dq), mv * d, DQ, _DQ),
+                       (addr(self._dkv), mt * 2 * d, DK, _DKV)]
             self._record_conversions(stage_a)
-            X, T, WQ, WO, DY = addr(x_h), addr(t_h), addr(wq_h), addr(wo_h), addr(dy_h)
-            WK, WV = addr(wkv_h), addr(wkv_h, 2 * d * d)
-            O, DQ = addr(o_h), addr(dq_h)
-            DK, DV = addr(dkv_h), addr(dkv_h, 2 * d)
             dtype = _R_16F
-            alpha = s.alpha
+            alpha = self._scaler.alpha
 
         gemm = self._gemm
         self._fork()
@@ -265,13 +248,9 @@ class Backward:
              ldc=2 * d, trans_b=True, data_type=dtype, alpha=alpha(_T, _WKV), lane=1)
         if transposed:  # dO = dY (Wo^T)^T; [Wq^T | Wk^T | Wv^T] for after the attention
             self._steps.append(("Wo^T", wo_t, 2))
-            if pairs:
-                self._record_split([(WO_T, d * d, WO_T)], lane=2)
-            gemm([DY], [WO_T], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
+            gemm([DY], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
                  data_type=dtype, lane=2)
             self._steps.append(("[Wq^T | Wk^T | Wv^T]", wqkv_t, 1))
-            if pairs:
-                self._record_split([(WQKV_T, 3 * d * d, WQKV_T)], lane=1)
         else:
             gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, data_type=dtype,
                  alpha=alpha(_DY, _WO), lane=2)
@@ -285,18 +264,16 @@ class Backward:
         self._steps.append(("attention", lambda: attention(*buffers), 0))
         if self._scaler is not None:
             self._record_conversions(stage_b)
-        elif pairs:
-            self._record_split(stage_b, lane=0)
 
         self._fork()
         if transposed:
-            gemm([DQ], [WQKV_T], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
+            gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
                  trans_b=True, data_type=dtype)
         else:
             gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
                  data_type=dtype, alpha=alpha(_DQ, _WQ))
         # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs when they
-        # share alpha (tf32, fp32); the fp16 mode's scales differ, so two calls there.
+        # share alpha (tf32); the fp16 and fp32 modes' scales differ, so two calls there.
         self._gemm_group([(DY, O, "grad_output_weight", alpha(_DY, _O)),
                           (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
                          m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
@@ -306,10 +283,10 @@ class Backward:
             # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
             parts = 2 if mt < _DT_SPLIT_ROWS else 1
             n = d // parts
-            gemm([DK] * parts, [WQKV_T + 4 * (i * n * 3 * d + d) for i in range(parts)],
+            gemm([DK] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
                  [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
                  ldb=3 * d, ldc=d, trans_b=True, data_type=dtype, lane=1)
-        else:  # fp16: [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
+        else:  # fp16, fp32: [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
             gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
                  data_type=dtype, alpha=alpha(_DKV, _WKV), lane=1)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
@@ -324,18 +301,14 @@ class Backward:
              lda=mt, ldb=2 * d, ldc=d, **fp32)
         self._join()
 
-    def _record_split(self, tensors, lane):
-        """Record the (hi, lo) splits of ``tensors`` [(source entry, size, hi address)] on ``lane``."""
-        first = self._table.add(*(source for source, *_ in tensors))
-        split = Tf32Split(self._table.address(first),
-                          [(size, hi, hi + self._pairs.lo_offset) for _, size, hi in tensors], self._sm_count)
-        self._steps.append((f"tf32 split x{len(tensors)}", split, lane))
-
     def _record_conversions(self, tensors):
-        """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest, slot)]."""
+        """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest address, slot)]
+        (fp32: and their remainders, at ``_lo_offset`` from each copy)."""
         first = self._table.add(*(source for source, *_ in tensors))
+        lo = self._lo_offset
         copy, rescale = self._scaler.group(self._table.address(first),
-                                           [(size, dest, slot) for _, size, dest, slot in tensors])
+                                           [(size, dest, slot, 0 if lo is None else dest + lo)
+                                            for _, size, dest, slot in tensors])
         self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0),
                         ("fp16 alphas", self._scaler.update_alphas, 0)]
 
@@ -374,23 +347,11 @@ class Backward:
             raise
 
 
-def _pair_elements(mv, mt, d):
-    """Sizes (float32 elements, each rounded up to 256 bytes) of the fp32 mode's hi copies, in the
-    order of _Pairs.hi: X, T, Wq, Wk, Wv, dY, Wo^T, [Wq^T | Wk^T | Wv^T], O, dQ, [dK | dV]."""
-    sizes = [mv * d, mt * d, d * d, d * d, d * d, mv * d, d * d, 3 * d * d, mv * d, mv * d, 2 * mt * d]
-    return [-(-size // 64) * 64 for size in sizes]
-
-
-class _Pairs:
-    """The fp32 mode's (hi, lo) operand copies in one allocation: all hi copies, then all lo copies
-    in the same order, so that the lo of any hi address is that address + ``lo_offset``."""
-
-    def __init__(self, cupy, mv, mt, d):
-        sizes = _pair_elements(mv, mt, d)
-        self._buffer = cupy.empty(2 * sum(sizes), numpy.float32)
-        self.lo_offset = 4 * sum(sizes)
-        starts = numpy.cumsum([0] + sizes[:-1]).tolist()
-        self.hi = [self._buffer.data.ptr + 4 * start for start in starts]
+def _half_elements(mv, mt, d):
+    """Sizes (fp16 elements, each rounded up to 256 bytes) of the fp16 copies, in their order in
+    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV]."""
+    sizes = [mv * d, mt * d, d * d, 2 * d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
+    return [-(-size // 128) * 128 for size in sizes]
 
 
 def _lane_fork(lanes, event):

@@ -42,17 +42,18 @@ class HalfScaler:
         Parameters
         ----------
         sources_address : device address of consecutive addresses of the fp32 sources.
-        tensors : list of ``(size, dest, slot)``: element count, float16 CuPy destination, scale
-            slot. Tensors sharing a slot share one scale.
+        tensors : list of ``(size, dest, slot, lo)``: element count, device address of the fp16
+            copy, scale slot (tensors sharing a slot share one scale), and device address of the
+            fp16 remainders (the fp32 mode's lo parts; 0: none).
         """
         cupy = import_cupy()
-        if any(size % 4 for size, _, _ in tensors):
+        if any(size % 4 for size, *_ in tensors):
             raise ValueError("half conversion needs sizes that are multiples of 4")
         n = len(tensors)
-        meta = cupy.array([size // 4 for size, _, _ in tensors] + [dest.data.ptr for _, dest, _ in tensors]
-                          + [slot for _, _, slot in tensors], numpy.int64)
+        size, dest, slot, lo = zip(*tensors)
+        meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo), numpy.int64)
         self._groups.append(meta)
-        blocks = max(1, min(-(-max(size for size, _, _ in tensors) // 4 // _THREADS), self._max_blocks))
+        blocks = max(1, min(-(-max(size) // 4 // _THREADS), self._max_blocks))
         grid, block = (blocks, n), (_THREADS,)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))
         amax, guess = numpy.uint64(self._amax_bits), numpy.uint64(self._guess)
@@ -63,6 +64,10 @@ class HalfScaler:
         n = self.n_slots
         self._alphas((1,), (n * n,), (numpy.uint64(self._inv_scale), numpy.uint64(self._alpha), numpy.int32(n),
                                       numpy.uint64(self._amax_bits), numpy.uint64(self._guess)))
+
+    def inverse_scales(self):
+        """1 / s of each slot as of the last ``update_alphas`` (a CuPy view, for checks and probes)."""
+        return self._state[self.n_slots:2 * self.n_slots]
 
     def alpha(self, i, j):
         return self._alpha + 4 * (i * self.n_slots + j)

@@ -15,8 +15,13 @@
 //   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; guess = 1/inv_scale and
 //                     amax_bits zeroed, for the next group or run         one block, n·n ≤ 1024
 //
-// max|x| is taken on the float bits as unsigned integers: non-negative floats order like their
-// bits, and NaN's bits exceed +inf's, so a NaN anywhere propagates (s = 1, the NaN is kept).
+// max|x| is taken over the finite elements (as unsigned float bits: non-negative floats order like
+// their bits), so an Inf or NaN does not set the scale of the rest; it is copied as Inf or NaN.
+//
+// The fp32 mode (3xFP16) also keeps what the fp16 copy left out: lo = half(x · s − float(y)), the
+// remainder (exact in fp32, s being a power of two) rounded to fp16 at the same scale, so a
+// product A·B is recovered to ~2^-22 as (y_A·y_B + y_A·lo_B + lo_A·y_B) · alpha. A remainder of
+// an Inf or NaN is 0 (Inf − Inf would be NaN).
 
 #ifndef HALF_TARGET_EXP
 #define HALF_TARGET_EXP 14
@@ -26,16 +31,20 @@
 // A group of tensors is converted by one launch each of half_copy_absmax and half_rescale: blockIdx.y picks
 // the tensor. sources[i] is a slot of the plan's pointer table (the caller's arrays move from
 // call to call); meta holds, for n tensors, n4[i] (element count / 4), then dest[i] (the fp16
-// copy's address), then slot[i] (its scale slot; tensors may share one).
+// copy's address), then slot[i] (its scale slot; tensors may share one), then lo[i] (the
+// remainder's address, 0 for none).
 __device__ __forceinline__ long long group_n4(const long long* meta, int i) { return meta[i]; }
 __device__ __forceinline__ uint2* group_dest(const long long* meta, int n, int i) {
     return reinterpret_cast<uint2*>(meta[n + i]);
 }
 __device__ __forceinline__ int group_slot(const long long* meta, int n, int i) { return (int)meta[2 * n + i]; }
+__device__ __forceinline__ uint2* group_lo(const long long* meta, int n, int i) {
+    return reinterpret_cast<uint2*>(meta[3 * n + i]);
+}
 
 __device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
     const float amax = __uint_as_float(amax_bits);
-    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // zero, inf or NaN: leave as is
+    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // no finite element other than 0: leave as is
     int e;
     frexpf(amax, &e);  // amax < 2^e
     return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
@@ -49,6 +58,32 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return r;
 }
 
+// x rounded to fp16 and back.
+__device__ __forceinline__ float half_round(float x) {
+    unsigned short h;
+    float r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+
+// The remainder, 0 where x or its fp16 copy is not finite (Inf − Inf would be NaN).
+__device__ __forceinline__ float remainder_of_half(float x) {
+    const float h = half_round(x);
+    return isfinite(x) && isfinite(h) ? x - h : 0.f;
+}
+
+__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
+
+// y[j] = half(v · s), and lo[j] = its remainder when lo is not null.
+__device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, float4 v, float s) {
+    const float a = v.x * s, b = v.y * s, c = v.z * s, d = v.w * s;
+    y[j] = make_uint2(pack_half2(a, b), pack_half2(c, d));
+    if (lo != nullptr)
+        lo[j] = make_uint2(pack_half2(remainder_of_half(a), remainder_of_half(b)),
+                           pack_half2(remainder_of_half(c), remainder_of_half(d)));
+}
+
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
                  unsigned* __restrict__ amax_bits, const float* __restrict__ guess) {
@@ -56,17 +91,16 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     const float s = guess[group_slot(meta, n, i)];
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
+    uint2* lo = group_lo(meta, n, i);
     const long long n4 = group_n4(meta, i);
     float m = 0.f;
-    bool nan = false;  // fmaxf drops NaN operands, so NaN is tracked on the side
     for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
          j += (long long)gridDim.x * HALF_THREADS) {
         const float4 v = x[j];
-        y[j] = make_uint2(pack_half2(v.x * s, v.y * s), pack_half2(v.z * s, v.w * s));
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-        nan |= v.x != v.x || v.y != v.y || v.z != v.z || v.w != v.w;
+        store_scaled(y, lo, j, v, s);
+        m = fmaxf(m, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
     }
-    unsigned bits = nan ? 0x7fc00000u : __float_as_uint(m);
+    unsigned bits = __float_as_uint(m);
     for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
     __shared__ unsigned warp_max[HALF_THREADS / 32];
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
@@ -87,12 +121,11 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     if (s == guess[slot]) return;  // half_copy_absmax's copy stands
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
+    uint2* lo = group_lo(meta, n, i);
     const long long n4 = group_n4(meta, i);
     for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
-         j += (long long)gridDim.x * HALF_THREADS) {
-        const float4 v = x[j];
-        y[j] = make_uint2(pack_half2(v.x * s, v.y * s), pack_half2(v.z * s, v.w * s));
-    }
+         j += (long long)gridDim.x * HALF_THREADS)
+        store_scaled(y, lo, j, x[j], s);
 }
 
 extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n,

@@ -8,8 +8,8 @@ scripts/initcheck_probe.py kernels 1x100x93``:
                reduction reads C. A report here is about how cuBLAS wrote C, not about the reader.
     kernels    every kernel of ours alone, on each shape (BxNvxNt or BxNvxNt:D:H, default
                2x64x77): the fused attention kernels (backward, then forward) with every text
-               token and with padded lengths, then the fp16 scaling, the TF32 split and the
-               weight transposes on tensors of the backward's sizes; inputs copied from the
+               token and with padded lengths, then the fp16 scaling (copies and remainders) and
+               the weight transposes on tensors of the backward's sizes; inputs copied from the
                host (cudaMemcpy), outputs poisoned first. A report here is a read of memory our
                code never wrote. scripts/sanitize.sh runs racecheck on this probe too.
 """
@@ -22,7 +22,6 @@ import sanitize
 from cupy_xattn import attention_bwd, attention_fwd, gemm
 from cupy_xattn.checks import Problem
 from cupy_xattn.half_scaling import HalfScaler
-from cupy_xattn.tf32_split import Tf32Split
 from cupy_xattn.weights_t import WeightsTransposed
 
 
@@ -61,7 +60,7 @@ def probe_attention(shape, precision):
 
 
 def probe_conversions(shape):
-    """fp16 scaling, TF32 split and weight transposes of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV]."""
+    """fp16 copies and remainders, and weight transposes, of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV]."""
     case, d, _ = sanitize.parse(shape)
     mv, mt = case.batch_size * case.num_video_tokens, case.batch_size * case.num_text_tokens
     sizes = [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
@@ -69,15 +68,14 @@ def probe_conversions(shape):
     sources = [cupy.asarray(rng.standard_normal(size, dtype=numpy.float32)) for size in sizes]
     table = cupy.array([x.data.ptr for x in sources], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    halves = [cupy.full(size, numpy.nan, numpy.float16) for size in sizes]
+    halves = [(cupy.full(size, numpy.nan, numpy.float16), cupy.full(size, numpy.nan, numpy.float16)) for size in sizes]
     scaler = HalfScaler(len(sizes), sm_count)
-    copy, rescale = scaler.group(table.data.ptr, [(size, half, i) for i, (size, half) in enumerate(zip(sizes, halves))])
+    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr)
+                                                  for i, (size, (hi, lo)) in enumerate(zip(sizes, halves))])
     copy(), rescale(), scaler.update_alphas()
-    pairs = [(cupy.full(size, numpy.nan, numpy.float32), cupy.full(size, numpy.nan, numpy.float32)) for size in sizes]
-    Tf32Split(table.data.ptr, [(size, hi.data.ptr, lo.data.ptr) for size, (hi, lo) in zip(sizes, pairs)], sm_count)()
     transposed = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
     WeightsTransposed(table.data.ptr + 8 * 2, 4, transposed.data.ptr, d)()
-    finite = all(bool(cupy.isfinite(x).all()) for x in [*halves, *(x for pair in pairs for x in pair), transposed])
+    finite = all(bool(cupy.isfinite(x).all()) for x in [*(x for pair in halves for x in pair), transposed])
     print(f"conversions {shape}: outputs finite: {finite}", flush=True)
     if not finite:
         raise SystemExit(1)

@@ -150,7 +150,7 @@ def render(result, title="Benchmarks"):
            + ". host µs = perf_counter around the Python call.",
            "- TFLOP/s = (10·Mv·D² + 12·Mt·D² + 12·Mv·Nt·D) / time (WORKLOAD.md); "
            "\"of ceiling\" = TFLOP/s / this card's measured GEMM rate at that precision (cupy_xattn's "
-           "fp32: a third of the TF32 rate, since that mode runs each product as three TF32 GEMMs); "
+           "fp32: a third of the fp16 rate, since that mode runs each product as three fp16 GEMMs); "
            "× vs torch-tf32-graph = torch-tf32-graph time / cupy_xattn time (> 1: we are faster).",
            "- torch rows: PyTorch autograd of the same layer, forward recompute + backward, "
            "strict fp32 or TF32 matmuls, eager or replayed from a CUDA graph.", ""]

@@ -63,8 +63,8 @@ def test_suite_case_passes_the_benchmark_rule_in_every_precision(case, seed):
     assert not any(failed.values()), f"{case.label} seed {seed}: {failed}"
 
 
-#: fp32's bound (max relative error of any output): its 3xTF32 GEMMs leave the tensor cores' fp32
-#: accumulation error, ~1e-5 to 3e-5 on the suite (docs/accuracy.md), against ~1e-3 for tf32.
+#: fp32's bound (max relative error of any output): its split GEMMs leave the tensor cores' fp32
+#: accumulation error, ~1e-5 to 3e-5 on the suite with 3xTF32 (docs/accuracy.md), ~1e-3 for tf32.
 FP32_ERROR = 5e-5
 
 
@@ -72,8 +72,8 @@ FP32_ERROR = 5e-5
 @pytest.mark.parametrize("case", [SUITE[0], SUITE[5], SUITE[6]], ids=lambda c: c.label)
 def test_error_against_the_naive_composition(case, precision):
     # At most twice the error of the same precision composed from plain CuPy calls, output by
-    # output; in fp32 (3xTF32 against the naive FFMA) every output that passes through a split
-    # product gets FP32_ERROR instead (a product left in plain TF32 gives ~1e-4 to 1e-3), and
+    # output; in fp32 (3xFP16 against the naive FFMA) every output that passes through a split
+    # product gets FP32_ERROR instead (a product left in plain fp16 gives ~1e-4 to 1e-3), and
     # dbo = column sums of dY, FFMA in both, keeps the rule.
     from cupy_xattn import naive
     inputs, ref = _case_data(case, 21)

@@ -225,12 +225,11 @@ def _run_counts(log, start=0):
 
 
 # Kernels: the attention and its dK|dV chunk reduction (70 rows = 2 query tiles, split in 2);
-# tf32 adds the two weight transposes, fp32 those and four (hi, lo) splits (inputs, Wo^T,
-# [Wq^T | Wk^T | Wv^T], attention outputs), fp16 the copy, rescale and alphas kernels for each of
-# its two groups of tensors.
-# GEMMs: 7 products and 2 bias sums; each product is three GEMMs in fp32 (3xTF32); dWo and dWq
-# are two in fp16 (alphas differ).
-@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 4), ("fp32", 23, 8), ("fp16", 10, 8)])
+# tf32 adds the two weight transposes, fp16 and fp32 the copy, rescale and alphas kernels for each
+# of their two groups of tensors (fp32's copies write the remainders too).
+# GEMMs: 7 products and 2 bias sums; dWo and dWq are two in fp16 and fp32 (alphas differ); each
+# product is three GEMMs in fp32 (3xFP16).
+@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 4), ("fp32", 26, 8), ("fp16", 10, 8)])
 def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms, kernels):
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2, precision=precision)
@@ -247,7 +246,7 @@ def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms,
 def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, shape):
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
-    from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32
+    from cupy_xattn.gemm import R_16F
     calls = []
 
     class RecordingHandle(backward._cublas.Handle):
@@ -258,23 +257,23 @@ def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, s
     program = backward.Backward(Problem(*shape, 128, 2, 64, 0.125), "fp32", gpu.null, 132)
     program.run()
     table, entries = program._table.device.data.ptr, program._table._entries
-    pairs, one = program._pairs, program._constants.data.ptr + 4
-    arena = (pairs.hi[0], pairs.hi[0] + 2 * pairs.lo_offset)
+    lo_offset, one = program._lo_offset, program._constants.data.ptr + 4
+    copies = program._halves.data.ptr  # the fp16 copies; their remainders from lo_offset on
 
     def operands(address, batch):
         return entries[(address - table) // 8:(address - table) // 8 + batch]
 
-    products = [(lane, args) for lane, args in calls if args[-1] == COMPUTE_32F_FAST_TF32]
-    assert len(products) == 21  # 7 products, three GEMMs each; the bias sums stay FFMA
+    products = [(lane, args) for lane, args in calls if args[7] == R_16F]
+    assert len(products) == 24  # 8 products (dWo and dWq apart: alphas differ), three GEMMs each
     for i in range(0, len(products), 3):
         (lane_1, lo_hi), (lane_2, hi_lo), (lane_3, hi_hi) = products[i:i + 3]
-        assert lane_1 == lane_2 == lane_3
+        assert lane_1 == lane_2 == lane_3 and lo_hi[5] == hi_lo[5] == hi_hi[5]  # one lane, one alpha
         assert [g[12] for g in (lo_hi, hi_lo, hi_hi)] == [one - 4, one, one]  # beta 0, then accumulate
         batch = hi_hi[-2]
         b, a, c = (operands(hi_hi[k], batch) for k in (6, 9, 13))  # cuBLAS gets b first (column-major)
-        assert all(isinstance(e, int) and arena[0] <= e < arena[0] + pairs.lo_offset for e in a + b)
-        assert operands(lo_hi[9], batch) == [e + pairs.lo_offset for e in a] and operands(lo_hi[6], batch) == b
-        assert operands(hi_lo[6], batch) == [e + pairs.lo_offset for e in b] and operands(hi_lo[9], batch) == a
+        assert all(isinstance(e, int) and copies <= e < copies + lo_offset for e in a + b)
+        assert operands(lo_hi[9], batch) == [e + lo_offset for e in a] and operands(lo_hi[6], batch) == b
+        assert operands(hi_lo[6], batch) == [e + lo_offset for e in b] and operands(hi_lo[9], batch) == a
         assert operands(lo_hi[13], batch) == operands(hi_lo[13], batch) == c
 
 

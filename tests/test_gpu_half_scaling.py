@@ -1,0 +1,58 @@
+"""The fp16 scaling kernels alone (marker ``gpu``): copies, remainders and scales."""
+import numpy
+import pytest
+
+from cupy_xattn.half_scaling import HalfScaler
+
+pytestmark = pytest.mark.gpu
+
+
+def _convert(tensors, with_lo=True, runs=1):
+    """fp16 copies, remainders (or None) and inverse scales of float32 CuPy ``tensors``, one slot
+    each, after ``runs`` runs of one scaler (from the second on, the guessed scales are right and
+    the copy pass's output stands)."""
+    import cupy
+    scaler = HalfScaler(len(tensors), 132)
+    table = cupy.array([x.data.ptr for x in tensors], numpy.uint64)
+    halves = [(cupy.full(x.size, numpy.nan, numpy.float16), cupy.full(x.size, numpy.nan, numpy.float16) if with_lo
+               else None) for x in tensors]
+    copy, rescale = scaler.group(table.data.ptr, [(x.size, hi.data.ptr, i, 0 if lo is None else lo.data.ptr)
+                                                  for i, (x, (hi, lo)) in enumerate(zip(tensors, halves))])
+    for _ in range(runs):
+        copy(), rescale(), scaler.update_alphas()
+    return halves, cupy.asnumpy(scaler.inverse_scales())
+
+
+def test_copy_plus_remainder_recovers_the_tensor_to_2_to_the_minus_22():
+    import cupy
+    rng = numpy.random.default_rng(3)
+    values = [rng.standard_normal(4096) * 10.0 ** rng.integers(-6, 6, 4096),  # magnitudes over 12 decades
+              rng.standard_normal(1024) * 1e-9, rng.standard_normal(1024) * 1e7]
+    tensors = [cupy.asarray(v.astype(numpy.float32)) for v in values]
+    halves, inverse = _convert(tensors)
+    plain, _ = _convert(tensors, with_lo=False)
+    steady, steady_inverse = _convert(tensors, runs=2)  # the second run's copies come from the copy pass
+    numpy.testing.assert_array_equal(inverse, steady_inverse)
+    for (hi, lo), (steady_hi, steady_lo) in zip(halves, steady):
+        numpy.testing.assert_array_equal(cupy.asnumpy(hi), cupy.asnumpy(steady_hi))
+        numpy.testing.assert_array_equal(cupy.asnumpy(lo), cupy.asnumpy(steady_lo))
+    for x, (hi, lo), (plain_hi, _), inv in zip(tensors, halves, plain, inverse):
+        x = cupy.asnumpy(x).astype(numpy.float64)
+        hi, lo = cupy.asnumpy(hi).astype(numpy.float64), cupy.asnumpy(lo).astype(numpy.float64)
+        numpy.testing.assert_array_equal(hi, cupy.asnumpy(plain_hi))  # the copy does not change
+        assert numpy.abs(lo).max() <= 2.0 ** -11 * numpy.abs(hi).max()  # at most half an fp16 step
+        error = numpy.abs((hi + lo) * inv - x).max() / numpy.abs(x).max()
+        assert error <= 2.0 ** -22, error
+        assert numpy.abs(hi * inv - x).max() / numpy.abs(x).max() > 2.0 ** -14  # the remainder matters
+
+
+def test_inf_and_nan_are_copied_with_zero_remainders_and_do_not_set_the_scale():
+    import cupy
+    x = numpy.array([1e5, -numpy.inf, numpy.inf, 0.5, numpy.nan, 3.0, -2.0, 1e-3], numpy.float32)
+    ((hi, lo),), inverse = _convert([cupy.asarray(x)])
+    hi, lo = cupy.asnumpy(hi).astype(numpy.float64), cupy.asnumpy(lo).astype(numpy.float64)
+    assert numpy.isneginf(hi[1]) and numpy.isposinf(hi[2]) and numpy.isnan(hi[4])
+    assert (lo[[1, 2, 4]] == 0).all() and numpy.isfinite(lo).all()
+    assert inverse[0] == 2.0 ** 3  # from max|x| = 1e5 < 2^17 over the finite elements: s = 2^(14 − 17)
+    finite = numpy.isfinite(x)
+    assert numpy.abs((hi + lo)[finite] * inverse[0] - x[finite]).max() <= 2.0 ** -22 * 1e5
