@@ -47,6 +47,12 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
 
 
+def o_t_stride(rows):
+    """Row stride (floats) of the O^T the kernel writes with o_transposed, for ``rows`` = B·Nv:
+    rounded up to 32 (16-byte aligned rows for cuBLAS's TMA kernels; o_t_stride in the source)."""
+    return -(-rows // 32) * 32
+
+
 def check_head_dim(problem):
     if problem.head_dim not in HEAD_DIMS:
         raise ValueError(f"the CuPy backend supports head_dim {' or '.join(map(str, HEAD_DIMS))}; got hidden size "
@@ -81,6 +87,7 @@ class AttentionBackward:
     problem : checks.Problem
     precision : "fp32" (3xTF32 products) or "tf32"/"fp16" (TF32 products).
     sm_count : multiprocessors of the GPU, for the grid.
+    o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
     """
 
     @staticmethod
@@ -89,16 +96,17 @@ class AttentionBackward:
         n_chunks = launch_layout(problem, precision, sm_count)[5]
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size if n_chunks > 1 else 0
 
-    def __init__(self, problem, precision, sm_count):
+    def __init__(self, problem, precision, sm_count, o_transposed=False):
         cupy = import_cupy()
         check_head_dim(problem)
         self.problem = problem
         name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk = launch_layout(
             problem, precision, sm_count)
         self._threads = rows // 16 * 32
+        self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
         defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": problem.head_dim,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys,
-                   "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm}
+                   "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed)}
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -123,7 +131,8 @@ class AttentionBackward:
         kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases.
         bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
         dout : (B·Nv, D) float32, dO = dY Wo.
-        o, dq : (B·Nv, D) float32 outputs: the attention output O and dQ.
+        o, dq : (B·Nv, D) float32 outputs: the attention output O (with o_transposed O^T, a
+            (D, o_t_stride(B·Nv)) array whose first B·Nv columns are written) and dQ.
         dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D).
         text_lengths : (B,) int32 device array, optional
             Text tokens each sample attends to (1..Nt); default: all of them.
@@ -134,7 +143,8 @@ class AttentionBackward:
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
             (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
-             numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self.tiles_per_chunk),
+             numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
+             numpy.int32(self.tiles_per_chunk),
              numpy.float32(p.scale)),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None:

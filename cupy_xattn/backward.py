@@ -7,8 +7,10 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
 
-In the tf32 mode dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv] (made by
-``weights_t.py`` at the start), so that both operands of every such GEMM are K-major.
+In the tf32 mode every GEMM reads both operands K-major, what sm_90's TF32 tensor cores read at
+full speed (``transpose.py``): dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv], and
+the weight gradients read dY^T, O^T (written so by the attention kernel), dQ^T, X^T, [dK | dV]^T
+and T^T, as dWo = dY^T (O^T)^T and so on.
 
 Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operands copied to fp16
 with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
@@ -18,8 +20,10 @@ Nothing uses atomics whose order varies: two calls give bitwise-identical result
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
-dX then dWo|dWq, dT then dWk|dWv, and the bias sums. On the small shapes one GEMM fills a
-fraction of the SMs, so the lanes overlap what would otherwise run one after the other.
+dX then dWo|dWq, dT then dWk|dWv, and the bias sums (tf32: dX and the bias sums; dQ^T then
+dWo|dWq; dT, [dK | dV]^T then dWk|dWv, with the transposes of the inputs made beside the
+attention). On the small shapes one GEMM fills a fraction of the SMs, so the lanes overlap what
+would otherwise run one after the other.
 
 A :class:`Backward` is built once per (problem size, precision, stream): it owns every
 intermediate buffer, its lanes and their cuBLAS handles, and records its launches as a list of steps. The
@@ -35,10 +39,10 @@ from . import _cublas
 from .gemm import (COMPUTE_32F as _COMPUTE_32F, COMPUTE_32F_FAST_TF32 as _COMPUTE_TF32, OP_N, OP_T, R_16F as _R_16F,
                    R_32F as _R_32F)
 from ._cupy import import_cupy
-from .attention_bwd import AttentionBackward
+from .attention_bwd import AttentionBackward, o_t_stride
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler
-from .weights_t import WeightsTransposed
+from .transpose import Transposed
 
 OUTPUT_NAMES = CrossAttentionGrads._fields
 
@@ -120,9 +124,12 @@ class Backward:
                         problem.hidden_size)
         mv, mt = b * nv, b * nt
         f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
-        self._attention = AttentionBackward(problem, precision, sm_count)
+        # tf32: the attention writes O^T, an operand of dWo = dY^T O read K-major (see _record_tf32).
+        tf32 = precision == "tf32"
+        self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=tf32)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
-        self._o, self._dq, self._dkv = f32(mv, d), f32(mv, d), f32(mt, 2 * d)
+        self._o = f32(d, o_t_stride(mv)) if tf32 else f32(mv, d)
+        self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
         self._all_keys = numpy.full(b, nt, numpy.int32)
@@ -151,7 +158,9 @@ class Backward:
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
-        transposed = 4 * 4 * d * d if precision == "tf32" else 0  # Wo^T; [Wq^T | Wk^T | Wv^T]
+        ldv, ldt = o_t_stride(mv), o_t_stride(mt)
+        # tf32: O^T's padded rows; Wo^T, [Wq^T | Wk^T | Wv^T]; X^T, dY^T, dQ^T; T^T, [dK | dV]^T
+        transposed = 4 * (d * (ldv - mv) + 4 * d * d + 3 * d * ldv + 3 * d * ldt) if precision == "tf32" else 0
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -192,114 +201,132 @@ class Backward:
         """Record: the main lane waits for everything issued so far on the side lanes."""
         self._steps.append(("join", self._join_lanes, 0))
 
-    def _gemm_group(self, members, **shape):
-        """Record GEMMs of one shape, ``members`` = [(a, b, c, alpha)]: one batched call when
-        they share alpha (a batched GEMM has one alpha), else one call each."""
-        alphas = {alpha for *_, alpha in members}
-        groups = [members] if len(alphas) == 1 else [[m] for m in members]
-        for group in groups:
-            a, b, c, alpha = zip(*group)
-            self._gemm(list(a), list(b), list(c), alpha=alpha[0], **shape)
-
     def _record(self, b, nv, nt, d):
-        cupy = import_cupy()
         mv, mt = b * nv, b * nt
         addr = lambda array, offset=0: array.data.ptr + offset  # noqa: E731
-        dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
-        transposed = self.precision == "tf32"
-
         if self._scaler is None:
-            X, T, DY = "video_latents", "text_embeddings", "grad_output"
-            WQ, WK, WV, WO = "query_weight", "key_weight", "value_weight", "output_weight"
-            O, DK, DV, DQ = addr(self._o), dk, dv, addr(self._dq)
-            dtype = _R_32F
-            alpha = lambda i, j: None  # noqa: E731
-            # The products with a weight on the right (dO, dX, dT) read W^T copies: see
-            # kernels_cu/weights_t.cu. The fp16 GEMMs read either layout at full speed.
-            self._wo_t, self._wqkv_t = cupy.empty((d, d), numpy.float32), cupy.empty((d, 3 * d), numpy.float32)
-            wo_t = WeightsTransposed(self._table.address(self._table.add(WO)), 1, self._wo_t.data.ptr, d)
-            wqkv_t = WeightsTransposed(self._table.address(self._table.add(WQ, WK, WV)), 3, self._wqkv_t.data.ptr, d)
-        else:
-            # fp16 copies (fp32: and their remainders, at lo_offset from each copy), one allocation.
-            sizes = _half_elements(mv, mt, d)
-            copies = 2 if self.precision == "fp32" else 1
-            self._halves = cupy.empty(copies * sum(sizes), numpy.float16)
-            if copies == 2:
-                self._lo_offset = 2 * sum(sizes)
-            X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
-                                               for start in numpy.cumsum([0] + sizes[:-1]).tolist())
-            WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
-            # (source entry, element count, fp16 destination, scale slot)
-            stage_a = [("video_latents", mv * d, X, _X), ("text_embeddings", mt * d, T, _T),
-                       ("query_weight", d * d, WQ, _WQ), ("key_weight", d * d, WK, _WKV),
-                       ("value_weight", d * d, WV, _WKV), ("output_weight", d * d, WO, _WO),
-                       ("grad_output", mv * d, DY, _DY)]
-            stage_b = [(addr(self._o), mv * d, O, _O), (addr(self._dq), mv * d, DQ, _DQ),
-                       (addr(self._dkv), mt * 2 * d, DK, _DKV)]
-            self._record_conversions(stage_a)
-            dtype = _R_16F
-            alpha = self._scaler.alpha
+            self._record_tf32(mv, mt, d, addr)
+            return
+        dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
+        # fp16 copies (fp32: and their remainders, at lo_offset from each copy), one allocation.
+        cupy = import_cupy()
+        sizes = _half_elements(mv, mt, d)
+        copies = 2 if self.precision == "fp32" else 1
+        self._halves = cupy.empty(copies * sum(sizes), numpy.float16)
+        if copies == 2:
+            self._lo_offset = 2 * sum(sizes)
+        X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
+                                           for start in numpy.cumsum([0] + sizes[:-1]).tolist())
+        WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
+        # (source entry, element count, fp16 destination, scale slot)
+        stage_a = [("video_latents", mv * d, X, _X), ("text_embeddings", mt * d, T, _T),
+                   ("query_weight", d * d, WQ, _WQ), ("key_weight", d * d, WK, _WKV),
+                   ("value_weight", d * d, WV, _WKV), ("output_weight", d * d, WO, _WO),
+                   ("grad_output", mv * d, DY, _DY)]
+        stage_b = [(addr(self._o), mv * d, O, _O), (addr(self._dq), mv * d, DQ, _DQ),
+                   (addr(self._dkv), mt * 2 * d, DK, _DKV)]
+        self._record_conversions(stage_a)
+        gemm, alpha = self._gemm, self._scaler.alpha
+        half = dict(data_type=_R_16F)
 
-        gemm = self._gemm
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
-             data_type=dtype, alpha=alpha(_X, _WQ))
+             alpha=alpha(_X, _WQ), **half)
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, 4 * d)], m=mt, n=d, k=d, lda=d, ldb=d,
-             ldc=2 * d, trans_b=True, data_type=dtype, alpha=alpha(_T, _WKV), lane=1)
-        if transposed:  # dO = dY (Wo^T)^T; [Wq^T | Wk^T | Wv^T] for after the attention
-            self._steps.append(("Wo^T", wo_t, 2))
-            gemm([DY], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
-                 data_type=dtype, lane=2)
-            self._steps.append(("[Wq^T | Wk^T | Wv^T]", wqkv_t, 1))
-        else:
-            gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, data_type=dtype,
-                 alpha=alpha(_DY, _WO), lane=2)
+             ldc=2 * d, trans_b=True, alpha=alpha(_T, _WKV), lane=1, **half)
+        gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
+             **half)
+        self._join()
+        self._record_attention()
+        self._record_conversions(stage_b)
+
+        self._fork()
+        gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ), **half)
+        # dWo and dWq: the same shape (K = B·Nv, the deepest); their scales differ, so two calls.
+        for left, right, out, slots in ((DY, O, "grad_output_weight", (_DY, _O)),
+                                        (DQ, X, "grad_query_weight", (_DQ, _X))):
+            gemm([left], [right], [out], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, alpha=alpha(*slots), **half)
+        # [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
+        gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
+             alpha=alpha(_DKV, _WKV), lane=1, **half)
+        gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
+             lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, **half)
+        self._record_bias_sums(mv, mt, d, addr, lane=2)
         self._join()
 
-        # Steps close over what they use, not over self: an evicted plan is freed at once
-        # (no reference cycle waiting for the garbage collector).
+    def _record_tf32(self, mv, mt, d, addr):
+        """The tf32 schedule: every GEMM reads both operands K-major (transpose.cu says why).
+
+        W^T copies for dO, dX and dT; for the weight gradients the transposes of both operands:
+        O^T from the attention kernel, X^T, dY^T and T^T made beside the attention (they read
+        inputs only), dQ^T and [dK | dV]^T after it, each on the lane of the GEMM that reads it.
+        """
+        cupy = import_cupy()
+        f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
+        ldv, ldt = o_t_stride(mv), o_t_stride(mt)
+        self._wo_t, self._wqkv_t = f32(d, d), f32(d, 3 * d)
+        self._video_t = f32(3, d, ldv)  # X^T, dY^T, dQ^T
+        self._text_t = f32(3 * d, ldt)  # T^T, then [dK | dV]^T
+        X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
+        T_T, DK_T, DV_T = (addr(self._text_t, 4 * i * d * ldt) for i in range(3))
+        O_T, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
+        table = self._table
+        at = lambda *entries: table.address(table.add(*entries))  # noqa: E731
+        step = lambda label, launch, lane: self._steps.append((label, launch, lane))  # noqa: E731
+        gemm = self._gemm
+
+        self._fork()
+        gemm(["video_latents"], ["query_weight"], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
+        gemm(["text_embeddings"] * 2, ["key_weight", "value_weight"], [addr(self._kv0), addr(self._kv0, 4 * d)],
+             m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
+        step("Wo^T", Transposed(at("output_weight"), 1, addr(self._wo_t), d, d), 2)
+        gemm(["grad_output"], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
+             trans_b=True, lane=2)
+        self._join()
+        self._record_attention()
+        # Beside the attention (issued after the join, so it does not wait for them).
+        step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
+                                                addr(self._wqkv_t), d, d), 1)
+        step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
+        step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv, dst_step=d * ldv), 2)
+        self._join()
+
+        self._fork()
+        gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
+             trans_b=True)
+        self._record_bias_sums(mv, mt, d, addr, lane=0)
+        step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv), 2)
+        gemm([DY_T, DQ_T], [O_T, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=mv,
+             lda=ldv, ldb=ldv, ldc=d, trans_b=True, lane=2)
+        # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D; below _DT_SPLIT_ROWS rows as two
+        # batched halves of its columns: for B·Nt = 77 cuBLAS ran 256 × 128 tiles (43 µs against
+        # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
+        parts = 2 if mt < _DT_SPLIT_ROWS else 1
+        n = d // parts
+        gemm([DKV] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
+             [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
+             ldb=3 * d, ldc=d, trans_b=True, lane=1)
+        step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt), 1)
+        gemm([DK_T, DV_T], [T_T, T_T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
+             lda=ldt, ldb=ldt, ldc=d, trans_b=True, lane=1)
+        self._join()
+
+    def _record_attention(self):
+        """Record the attention kernel on the main lane. Steps close over what they use, not over
+        self: an evicted plan is freed at once (no reference cycle waiting for the garbage collector)."""
         biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
         attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv,
                                                self._text_lengths)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
-        if self._scaler is not None:
-            self._record_conversions(stage_b)
 
-        self._fork()
-        if transposed:
-            gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
-                 trans_b=True, data_type=dtype)
-        else:
-            gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
-                 data_type=dtype, alpha=alpha(_DQ, _WQ))
-        # dWo and dWq: the same shape (K = B·Nv, the deepest), batched to fill more SMs when they
-        # share alpha (tf32); the fp16 and fp32 modes' scales differ, so two calls there.
-        self._gemm_group([(DY, O, "grad_output_weight", alpha(_DY, _O)),
-                          (DQ, X, "grad_query_weight", alpha(_DQ, _X))],
-                         m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, data_type=dtype)
-        if transposed:
-            # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D; below _DT_SPLIT_ROWS rows as two
-            # batched halves of its columns: for B·Nt = 77 cuBLAS ran 256 × 128 tiles (43 µs against
-            # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
-            parts = 2 if mt < _DT_SPLIT_ROWS else 1
-            n = d // parts
-            gemm([DK] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
-                 [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
-                 ldb=3 * d, ldc=d, trans_b=True, data_type=dtype, lane=1)
-        else:  # fp16, fp32: [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
-            gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
-                 data_type=dtype, alpha=alpha(_DKV, _WKV), lane=1)
-        gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
-             lda=2 * d, ldb=d, ldc=d, trans_a=True, data_type=dtype, alpha=alpha(_DKV, _T), lane=1)
-
-        # Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix.
+    def _record_bias_sums(self, mv, mt, d, addr, lane):
+        """Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix."""
         ones = addr(self._ones)
-        fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F, lane=2)
-        gemm([ones, ones], ["grad_output", addr(self._dq)], ["grad_output_bias", "grad_query_bias"],
-             m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
-        gemm([ones, ones], [dk, dv], ["grad_key_bias", "grad_value_bias"], m=1, n=d, k=mt,
-             lda=mt, ldb=2 * d, ldc=d, **fp32)
-        self._join()
+        fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F, lane=lane)
+        self._gemm([ones, ones], ["grad_output", addr(self._dq)], ["grad_output_bias", "grad_query_bias"],
+                   m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
+        self._gemm([ones, ones], [addr(self._dkv), addr(self._dkv, 4 * d)], ["grad_key_bias", "grad_value_bias"],
+                   m=1, n=d, k=mt, lda=mt, ldb=2 * d, ldc=d, **fp32)
 
     def _record_conversions(self, tensors):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest address, slot)]

@@ -9,6 +9,10 @@
 //
 // Layouts (row-major fp32, heads side by side in the hidden dimension D = H·d):
 //   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D))
+//   o has row stride ld_o (D); with ATTN_O_TRANSPOSED it is O^T instead: D rows of B·Nv, row
+//                     stride ld_o ≥ B·Nv (the launcher rounds it up to 32 floats, for 16-byte
+//                     aligned rows): the tf32 mode's dWo = dY^T O then reads both operands
+//                     K-major (transpose.cu says why)
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
@@ -25,6 +29,10 @@
 //
 // The products, the knobs (ATTN_BLOCK_Q, ATTN_BLOCK_KV, ATTN_HEAD_DIM, ATTN_SPLIT3) and the tile
 // helpers are in attention_common.cuh.
+
+#ifndef ATTN_O_TRANSPOSED
+#define ATTN_O_TRANSPOSED 0
+#endif
 
 // Keys kept resident by attn_bwd_resident (0: that kernel is not compiled).
 #ifndef ATTN_KEYS
@@ -120,20 +128,42 @@ struct HeadSlices {
 };
 
 __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* kv0, const float* dout, float* o,
-                                                  float* dq, float* dkv_part, int n_video, int n_text, int hidden) {
+                                                  float* dq, float* dkv_part, int n_video, int n_text, int hidden,
+                                                  int ld_o) {
     const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const long long ld_kv = 2LL * hidden, col = head * ATTN_HEAD_DIM;
     const long long video = (long long)batch * n_video * hidden + col;
     HeadSlices h;
     h.q = q0 + video;
     h.dout = dout + video;
-    h.o = o + video;
+    h.o = ATTN_O_TRANSPOSED ? o + col * ld_o + (long long)batch * n_video : o + video;
     h.dq = dq + video;
     h.k = kv0 + (long long)batch * n_text * ld_kv + col;
     h.v = h.k + hidden;
     h.dk = dkv_part + ((long long)chunk * gridDim.z * n_text + (long long)batch * n_text) * ld_kv + col;
     h.dv = h.dk + hidden;
     return h;
+}
+
+// This warp's 16 rows of O: rows of o, or columns of O^T with ATTN_O_TRANSPOSED (row stride ld
+// either way); n_rows = Nv, o already offset to the (batch, head).
+__device__ __forceinline__ void store_o(float* o, int ld, int row0, int n_rows,
+                                        const float c[ATTN_HEAD_DIM / 8][4], int g, int t) {
+#if ATTN_O_TRANSPOSED
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g + 8 * h;
+        if (row < n_rows) {
+#pragma unroll
+            for (int n = 0; n < ATTN_HEAD_DIM / 8; ++n) {
+                o[(long long)(n * 8 + 2 * t) * ld + row] = c[n][2 * h];
+                o[(long long)(n * 8 + 2 * t + 1) * ld + row] = c[n][2 * h + 1];
+            }
+        }
+    }
+#else
+    store_rows(o, ld, row0, n_rows, c, g, t);
+#endif
 }
 
 }  // namespace
@@ -151,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
 attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const float* const* __restrict__ biases,
          const float* __restrict__ dout, float* __restrict__ o, float* __restrict__ dq,
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
-         int tiles_per_chunk, float scale) {
+         int ld_o, int tiles_per_chunk, float scale) {
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
     float* q_s = reinterpret_cast<float*>(smem4);          // [ATTN_BLOCK_Q][LD_HD]
@@ -166,7 +196,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     const float* bq = biases[0] + col;
     const float* bk = biases[1] + col;
     const float* bv = biases[2] + col;
-    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden);
+    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
@@ -240,7 +270,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
                 o_acc[n][2 * h + 1] *= inv_l;
             }
         }
-        store_rows(hs.o, hidden, q_row0 + r0, n_video, o_acc, g, t);
+        store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];
@@ -303,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_RESIDENT_MIN_BLO
 attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   const float* const* __restrict__ biases, const float* __restrict__ dout, float* __restrict__ o,
                   float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
-                  int n_video, int n_text, int hidden,
+                  int n_video, int n_text, int hidden, int ld_o,
                   int tiles_per_chunk, float scale) {
     constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8;
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
@@ -316,7 +346,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     float* p_s = do_s + ATTN_BLOCK_Q * LD_HD;       // [ATTN_BLOCK_Q][LD_P]: P, then dS
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
-    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden);
+    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
@@ -376,7 +406,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
             rows_times_add<NK>(o_acc, p_s, LD_P, v_s, r0, g, t);
-            store_rows(hs.o, hidden, q_row0 + r0, n_video, o_acc, g, t);
+            store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];

@@ -22,7 +22,7 @@ import sanitize
 from cupy_xattn import attention_bwd, attention_fwd, gemm
 from cupy_xattn.checks import Problem
 from cupy_xattn.half_scaling import HalfScaler
-from cupy_xattn.weights_t import WeightsTransposed
+from cupy_xattn.transpose import Transposed
 
 
 def probe_gemm():
@@ -46,21 +46,26 @@ def probe_attention(shape, precision):
     table = cupy.array([x.data.ptr for x in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     problem = Problem(b, nv, nt, hidden, heads, hidden // heads, (hidden // heads) ** -0.5)
-    backward = attention_bwd.AttentionBackward(problem, precision, sm_count)
+    # As the backward runs it: tf32 writes O^T (D rows of stride o_t_stride(B·Nv), the first B·Nv columns).
+    o_transposed = precision == "tf32"
+    backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed)
+    o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
     for lengths in (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt)):
         lengths = cupy.asarray(lengths)
-        o, dq, dkv, y = (cupy.full(x.shape, numpy.nan, numpy.float32) for x in (q0, q0, kv0, q0))  # poisoned
+        o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
+                         for shape in (o_shape, q0.shape, kv0.shape, q0.shape))  # poisoned
         backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths)
         forward(q0, kv0, table.data.ptr, lengths, y)
-        finite = all(bool(cupy.isfinite(x).all()) for x in (o, dq, dkv, y))
+        finite = all(bool(cupy.isfinite(x).all()) for x in (o[:, :b * nv] if o_transposed else o, dq, dkv, y))
         print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)
         if not finite:  # an output the kernels left unwritten keeps its NaN poison
             raise SystemExit(1)
 
 
 def probe_conversions(shape):
-    """fp16 copies and remainders, and weight transposes, of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV]."""
+    """fp16 copies and remainders of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV]; the tf32
+    mode's transposes of the weights (side by side), of X and of [dK | dV] (rows padded as there)."""
     case, d, _ = sanitize.parse(shape)
     mv, mt = case.batch_size * case.num_video_tokens, case.batch_size * case.num_text_tokens
     sizes = [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
@@ -73,9 +78,14 @@ def probe_conversions(shape):
     copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr)
                                                   for i, (size, (hi, lo)) in enumerate(zip(sizes, halves))])
     copy(), rescale(), scaler.update_alphas()
-    transposed = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
-    WeightsTransposed(table.data.ptr + 8 * 2, 4, transposed.data.ptr, d)()
-    finite = all(bool(cupy.isfinite(x).all()) for x in [*(x for pair in halves for x in pair), transposed])
+    weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
+    x_t = cupy.full((d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)
+    dkv_t = cupy.full((2 * d, attention_bwd.o_t_stride(mt)), numpy.nan, numpy.float32)
+    Transposed(table.data.ptr + 8 * 2, 4, weights_t.data.ptr, d, d)()
+    Transposed(table.data.ptr, 1, x_t.data.ptr, mv, d, ld=x_t.shape[1])()
+    Transposed(table.data.ptr + 8 * 9, 1, dkv_t.data.ptr, mt, 2 * d, ld=dkv_t.shape[1])()
+    finite = all(bool(cupy.isfinite(x).all())
+                 for x in [*(x for pair in halves for x in pair), weights_t, x_t[:, :mv], dkv_t[:, :mt]])
     print(f"conversions {shape}: outputs finite: {finite}", flush=True)
     if not finite:
         raise SystemExit(1)

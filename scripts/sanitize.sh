@@ -30,7 +30,7 @@ SHAPES="${SHAPES:-$suite $edges}"
 TOOLS="${TOOLS:-memcheck racecheck synccheck initcheck}"
 PRECISIONS="${PRECISIONS:-fp32 tf32 fp16}"
 RUN_SECONDS="${RUN_SECONDS:-600}"
-KERNELS="${KERNELS:-attn_ half_ weights_transposed}"  # name substrings: every __global__ in kernels_cu/
+KERNELS="${KERNELS:-attn_ half_ transposed_copies}"  # name substrings: every __global__ in kernels_cu/
 status=0
 for tool in $TOOLS; do
     for precision in $PRECISIONS; do

@@ -11,12 +11,13 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = {"tf32": 5e-3, "fp32": 2e-5}
 
 
+@pytest.mark.parametrize("precision, o_transposed", [("tf32", False), ("tf32", True), ("fp32", False)])
 @pytest.mark.parametrize("resident_rows", [64, 128])
-@pytest.mark.parametrize("precision", ["tf32", "fp32"])
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
     (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
     (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1)])
-def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, resident_rows, monkeypatch):
+def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, o_transposed, resident_rows,
+                                            monkeypatch):
     import cupy
     monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", resident_rows)
     heads, hidden = 16, 1024
@@ -28,11 +29,13 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
 
     poison = lambda shape: cupy.full(shape, numpy.nan, numpy.float32)  # noqa: E731
-    o, dq, dkv = poison(q0.shape), poison(q0.shape), poison(kv0.shape)
+    rows = batch_size * n_video
+    o = poison((hidden, attention_bwd.o_t_stride(rows))) if o_transposed else poison(q0.shape)  # tf32's O^T
+    dq, dkv = poison(q0.shape), poison(kv0.shape)
     biases = [cupy.asarray(b) for b in (bq, bk, bv)]
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count)
+    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed)
     kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv)
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
@@ -43,7 +46,8 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     ref_o = reference.attention(q, k, v, 0.125, num_heads=heads)
     ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads)
     got_dkv = cupy.asnumpy(dkv).reshape(batch_size, n_text, 2 * hidden)
-    pairs = {"O": (cupy.asnumpy(o), ref_o), "dQ": (cupy.asnumpy(dq), ref_dq),
+    got_o = cupy.asnumpy(o)[:, :rows].T if o_transposed else cupy.asnumpy(o)
+    pairs = {"O": (got_o, ref_o), "dQ": (cupy.asnumpy(dq), ref_dq),
              "dK": (got_dkv[..., :hidden], ref_dk), "dV": (got_dkv[..., hidden:], ref_dv)}
     scale_dq = numpy.abs(ref_dv).max()  # dQ and dK are exactly 0 when n_text = 1
     errors = {}

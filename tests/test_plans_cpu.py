@@ -225,11 +225,12 @@ def _run_counts(log, start=0):
 
 
 # Kernels: the attention and its dK|dV chunk reduction (70 rows = 2 query tiles, split in 2);
-# tf32 adds the two weight transposes, fp16 and fp32 the copy, rescale and alphas kernels for each
-# of their two groups of tensors (fp32's copies write the remainders too).
+# tf32 adds six transposes (Wo^T; [Wq^T | Wk^T | Wv^T]; T^T; X^T and dY^T; dQ^T; [dK | dV]^T), fp16
+# and fp32 the copy, rescale and alphas kernels for each of their two groups of tensors (fp32's
+# copies write the remainders too).
 # GEMMs: 7 products and 2 bias sums; dWo and dWq are two in fp16 and fp32 (alphas differ); each
 # product is three GEMMs in fp32 (3xFP16).
-@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 4), ("fp32", 26, 8), ("fp16", 10, 8)])
+@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 8), ("fp32", 26, 8), ("fp16", 10, 8)])
 def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms, kernels):
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2, precision=precision)
@@ -366,7 +367,7 @@ def test_a_refused_capture_leaves_the_plan_uncaptured_and_correct(gpu):
     assert [graph for _, graph in plan._programs.values()] == [plans._UNCAPTURED]
     mark = len(gpu)
     plan(**_inputs(1, 1, 77))
-    assert _run_counts(gpu, mark) == {"gemm": 9, "kernel": 3, "graph": 0, "copy": 1}  # see above
+    assert _run_counts(gpu, mark) == {"gemm": 9, "kernel": 7, "graph": 0, "copy": 1}  # see above
 
 
 def test_misaligned_inputs_leave_the_fast_path(gpu):
@@ -526,6 +527,32 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
         assert waits[-1] > max(i for i, e in enumerate(entries) if e[0] == "gemm")  # joined at the end
         forked = _waits_for(entries, side, main)
         assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
+
+
+def test_tf32_products_read_both_operands_k_major_with_transposes_beside_the_attention(gpu, monkeypatch):
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
+    calls = []
+
+    class RecordingHandle(backward._cublas.Handle):
+        def gemm_batched(self, *args):
+            calls.append(args)
+            super().gemm_batched(*args)
+    monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
+    program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), "tf32", gpu.null, 132)
+    entries, (main, side1, side2) = _lane_run(gpu, program)
+    products = [args for args in calls if args[-1] == COMPUTE_32F_FAST_TF32]
+    assert len(products) == 7 and all(args[:2] == (OP_T, OP_N) for args in products)  # row-major a · b^T
+    attention = next(i for i, e in enumerate(entries) if e[0] == "kernel" and e[1].startswith("attn_bwd"))
+    transposes = [(i, e[2]) for i, e in enumerate(entries) if e[:2] == ("kernel", "transposed_copies")]
+    # Wo^T before dO; [Wq^T | Wk^T | Wv^T], T^T and X^T, dY^T beside the attention; dQ^T, [dK | dV]^T after it.
+    assert [lane for _, lane in transposes] == [side2, side1, side1, side2, side2, side1]
+    assert transposes[0][0] < attention < transposes[1][0]
+    d_x = next(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == main and i > attention)
+    # Issued after the attention, they are not in the events it waits for; dX waits for them.
+    for side, beside in ((side1, transposes[2][0]), (side2, transposes[3][0])):
+        assert any(beside < i < d_x for i in _waits_for(entries, main, side))
 
 
 def test_a_failed_step_still_joins_the_lanes_and_orders_the_callers_stream(gpu):

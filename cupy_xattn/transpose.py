@@ -1,0 +1,28 @@
+"""Launcher of ``kernels_cu/transpose.cu``: transposed copies for the TF32 GEMMs."""
+
+import numpy
+
+from . import kernels
+
+SOURCE = "transpose.cu"
+_TILE, _ROWS = 32, 8
+
+
+class Transposed:
+    """S_i^T for n row-major [rows][cols] float32 matrices S_i whose addresses are n consecutive
+    entries of a pointer table at ``sources_address``: each written as [cols][ld] at device
+    address ``dst + 4·i·dst_step``. Defaults: side by side, ``[S_0^T | … | S_{n−1}^T]``
+    (dst_step = rows, ld = n·rows)."""
+
+    def __init__(self, sources_address, n, dst, rows, cols, ld=None, dst_step=None):
+        ld = n * rows if ld is None else ld
+        dst_step = rows if dst_step is None else dst_step
+        if ld < rows or (n > 1 and dst_step < rows):
+            raise ValueError(f"transposed copies overlap: rows {rows}, ld {ld}, dst_step {dst_step}")
+        self._kernel = kernels.get_kernel(SOURCE, "transposed_copies")
+        self._grid = (-(-rows // _TILE), -(-cols // _TILE), n)
+        self._args = (numpy.uint64(sources_address), numpy.uint64(dst), numpy.int64(dst_step), numpy.int32(rows),
+                      numpy.int32(cols), numpy.int64(ld))
+
+    def __call__(self):
+        self._kernel(self._grid, (_TILE, _ROWS), self._args)
