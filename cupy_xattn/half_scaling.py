@@ -1,4 +1,4 @@
-"""Launcher of ``kernels_cu/half_scaling.cu``: fp16 copies with per-tensor power-of-two scales."""
+"""Launcher of ``kernels_cu/half_scaling.cu``: fp16 copies (and remainders) with per-tensor power-of-two scales."""
 
 import numpy
 
@@ -13,7 +13,8 @@ class HalfScaler:
     """Scaled fp16 copies of fp32 tensors, each tensor (or group of tensors) in a numbered slot.
 
     Per run, for each :meth:`group` of tensors: its ``copy`` and ``rescale`` launches (together
-    ``y = half(x · s_slot)``), then :meth:`update_alphas`. ``alpha(i, j)`` is the device address
+    ``y = half(x · s_slot)`` and, where asked, the remainder ``half(x · s_slot − y)``), then
+    :meth:`update_alphas`. ``alpha(i, j)`` is the device address
     of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j. Nothing
     is read back to the host, so a run can be captured into a graph.
     """

@@ -1,4 +1,5 @@
-// fp32 → fp16 with a per-tensor power-of-two scale, for the fp16 precision mode.
+// fp32 → fp16 with a per-tensor power-of-two scale, for the fp16 precision mode (and the fp32
+// mode's copies and remainders).
 //
 // A tensor x is stored as half(x · s) with s = 2^(HALF_TARGET_EXP − e), where 2^e is the
 // smallest power of two above max|x|. So the largest element lands just under 2^HALF_TARGET_EXP
