@@ -49,7 +49,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
 
 def o_t_stride(rows):
     """Row stride (floats) of the O^T the kernel writes with o_transposed, for ``rows`` = B·Nv:
-    rounded up to 32 (16-byte aligned rows for cuBLAS's TMA kernels; o_t_stride in the source)."""
+    rounded up to 32 floats (16-byte aligned rows for cuBLAS's TMA kernels). The tf32 mode pads the
+    other transposed operands the same way."""
     return -(-rows // 32) * 32
 
 

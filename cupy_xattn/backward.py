@@ -207,7 +207,6 @@ class Backward:
         if self._scaler is None:
             self._record_tf32(mv, mt, d, addr)
             return
-        dk, dv = addr(self._dkv), addr(self._dkv, 4 * d)
         # fp16 copies (fp32: and their remainders, at lo_offset from each copy), one allocation.
         cupy = import_cupy()
         sizes = _half_elements(mv, mt, d)
@@ -260,6 +259,7 @@ class Backward:
         W^T copies for dO, dX and dT; for the weight gradients the transposes of both operands:
         O^T from the attention kernel, X^T, dY^T and T^T made beside the attention (they read
         inputs only), dQ^T and [dK | dV]^T after it, each on the lane of the GEMM that reads it.
+        (The bias sums, ones-row GEMMs, are not projections: they stay fp32 "nn".)
         """
         cupy = import_cupy()
         f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
@@ -279,17 +279,17 @@ class Backward:
         gemm(["video_latents"], ["query_weight"], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
         gemm(["text_embeddings"] * 2, ["key_weight", "value_weight"], [addr(self._kv0), addr(self._kv0, 4 * d)],
              m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
+        step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
+                                                addr(self._wqkv_t), d, d), 1)  # dX and dT read them
         step("Wo^T", Transposed(at("output_weight"), 1, addr(self._wo_t), d, d), 2)
         gemm(["grad_output"], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
              trans_b=True, lane=2)
         self._join()
         self._record_attention()
-        # Beside the attention (issued after the join, so it does not wait for them).
-        step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
-                                                addr(self._wqkv_t), d, d), 1)
+        # Beside the attention (issued after the join, so it does not wait for them); only their own
+        # lanes read them, after the fork below.
         step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
         step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv, dst_step=d * ldv), 2)
-        self._join()
 
         self._fork()
         gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,

@@ -17,8 +17,10 @@ class Transposed:
     def __init__(self, sources_address, n, dst, rows, cols, ld=None, dst_step=None):
         ld = n * rows if ld is None else ld
         dst_step = rows if dst_step is None else dst_step
-        if ld < rows or (n > 1 and dst_step < rows):
-            raise ValueError(f"transposed copies overlap: rows {rows}, ld {ld}, dst_step {dst_step}")
+        apart = dst_step >= cols * ld  # each copy in its own [cols][ld] block, else columns side by side
+        if ld < rows or (n > 1 and not apart and (dst_step < rows or (n - 1) * dst_step + rows > ld)):
+            raise ValueError(f"transposed copies overlap: n {n}, rows {rows}, cols {cols}, ld {ld}, "
+                             f"dst_step {dst_step}")
         self._kernel = kernels.get_kernel(SOURCE, "transposed_copies")
         self._grid = (-(-rows // _TILE), -(-cols // _TILE), n)
         self._args = (numpy.uint64(sources_address), numpy.uint64(dst), numpy.int64(dst_step), numpy.int32(rows),

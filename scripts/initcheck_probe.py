@@ -9,7 +9,8 @@ scripts/initcheck_probe.py kernels 1x100x93``:
     kernels    every kernel of ours alone, on each shape (BxNvxNt or BxNvxNt:D:H, default
                2x64x77): the fused attention kernels (backward, then forward) with every text
                token and with padded lengths, then the fp16 scaling (copies and remainders) and
-               the weight transposes on tensors of the backward's sizes; inputs copied from the
+               the tf32 mode's transposes (weights side by side, X^T and dY^T apart, [dK | dV]^T)
+               on tensors of the backward's sizes; inputs copied from the
                host (cudaMemcpy), outputs poisoned first. A report here is a read of memory our
                code never wrote. scripts/sanitize.sh runs racecheck on this probe too.
 """
@@ -79,13 +80,14 @@ def probe_conversions(shape):
                                                   for i, (size, (hi, lo)) in enumerate(zip(sizes, halves))])
     copy(), rescale(), scaler.update_alphas()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
-    x_t = cupy.full((d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)
+    x_t = cupy.full((2, d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)  # X^T, dY^T apart
     dkv_t = cupy.full((2 * d, attention_bwd.o_t_stride(mt)), numpy.nan, numpy.float32)
     Transposed(table.data.ptr + 8 * 2, 4, weights_t.data.ptr, d, d)()
-    Transposed(table.data.ptr, 1, x_t.data.ptr, mv, d, ld=x_t.shape[1])()
+    video = cupy.array([sources[0].data.ptr, sources[6].data.ptr], numpy.uint64)
+    Transposed(video.data.ptr, 2, x_t.data.ptr, mv, d, ld=x_t.shape[2], dst_step=d * x_t.shape[2])()
     Transposed(table.data.ptr + 8 * 9, 1, dkv_t.data.ptr, mt, 2 * d, ld=dkv_t.shape[1])()
     finite = all(bool(cupy.isfinite(x).all())
-                 for x in [*(x for pair in halves for x in pair), weights_t, x_t[:, :mv], dkv_t[:, :mt]])
+                 for x in [*(x for pair in halves for x in pair), weights_t, x_t[:, :, :mv], dkv_t[:, :mt]])
     print(f"conversions {shape}: outputs finite: {finite}", flush=True)
     if not finite:
         raise SystemExit(1)

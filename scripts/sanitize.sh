@@ -6,7 +6,7 @@
 #     instrumented (KERNELS): cuBLAS then runs at full speed, so every shape fits;
 #   racecheck, initcheck: our kernels alone (scripts/initcheck_probe.py kernels: both attention
 #     kernels and the dK/dV reduction, every text token and padded lengths; the fp16 scaling, the
-#     fp32 mode's remainders and the weight transposes on tensors of the backward's sizes). initcheck
+#     fp32 mode's remainders and the tf32 mode's transposes on tensors of the backward's sizes). initcheck
 #     does not see cuBLAS's sm_90 kernels write their outputs and flags every later read of them;
 #     racecheck with cuBLAS left uninstrumented made a cuBLAS GEMM fault (H200, 9fbd32d), and
 #     instrumenting cuBLAS too takes minutes per small shape (docs/reliability.md).

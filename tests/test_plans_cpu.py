@@ -531,6 +531,7 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
 
 def test_tf32_products_read_both_operands_k_major_with_transposes_beside_the_attention(gpu, monkeypatch):
     from cupy_xattn import backward
+    from cupy_xattn.attention_bwd import o_t_stride
     from cupy_xattn.checks import Problem
     from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     calls = []
@@ -540,19 +541,48 @@ def test_tf32_products_read_both_operands_k_major_with_transposes_beside_the_att
             calls.append(args)
             super().gemm_batched(*args)
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
-    program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), "tf32", gpu.null, 132)
+    b, nv, nt, d = 2, 70, 20, 128
+    program = backward.Backward(Problem(b, nv, nt, d, 2, 64, 0.125), "tf32", gpu.null, 132)
     entries, (main, side1, side2) = _lane_run(gpu, program)
     products = [args for args in calls if args[-1] == COMPUTE_32F_FAST_TF32]
     assert len(products) == 7 and all(args[:2] == (OP_T, OP_N) for args in products)  # row-major a · b^T
+
+    # The weight gradients: dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T; dWk, dWv = dK^T, dV^T times (T^T)^T.
+    table, named = program._table.device.data.ptr, program._table._entries
+
+    def operands(address, batch):
+        return named[(address - table) // 8:(address - table) // 8 + batch]
+    ldv, ldt = o_t_stride(b * nv), o_t_stride(b * nt)
+    video, text = program._video_t.data.ptr, program._text_t.data.ptr
+    x_t, dy_t, dq_t = (video + 4 * i * d * ldv for i in range(3))
+    t_t, dk_t, dv_t = (text + 4 * i * d * ldt for i in range(3))
+    expected = {b * nv: (ldv, [dy_t, dq_t], [program._o.data.ptr, x_t], ["grad_output_weight", "grad_query_weight"]),
+                b * nt: (ldt, [dk_t, dv_t], [t_t, t_t], ["grad_key_weight", "grad_value_weight"])}
+    weight_grads = [args for args in products if args[2:4] == (d, d) and args[4] in expected]
+    assert len(weight_grads) == 2
+    for args in weight_grads:
+        ld, a, b_, c = expected[args[4]]
+        assert args[16] == 2 and args[8] == args[11] == ld  # batched, ldb and lda
+        assert operands(args[9], 2) == a and operands(args[6], 2) == b_ and operands(args[13], 2) == c
+
     attention = next(i for i, e in enumerate(entries) if e[0] == "kernel" and e[1].startswith("attn_bwd"))
     transposes = [(i, e[2]) for i, e in enumerate(entries) if e[:2] == ("kernel", "transposed_copies")]
-    # Wo^T before dO; [Wq^T | Wk^T | Wv^T], T^T and X^T, dY^T beside the attention; dQ^T, [dK | dV]^T after it.
-    assert [lane for _, lane in transposes] == [side2, side1, side1, side2, side2, side1]
-    assert transposes[0][0] < attention < transposes[1][0]
-    d_x = next(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == main and i > attention)
-    # Issued after the attention, they are not in the events it waits for; dX waits for them.
-    for side, beside in ((side1, transposes[2][0]), (side2, transposes[3][0])):
-        assert any(beside < i < d_x for i in _waits_for(entries, main, side))
+    # [Wq^T | Wk^T | Wv^T], Wo^T before the attention; T^T and X^T, dY^T beside it; dQ^T, [dK | dV]^T after it.
+    assert [lane for _, lane in transposes] == [side1, side2, side1, side2, side2, side1]
+    assert transposes[1][0] < attention < transposes[2][0]
+    # What reads the attention's outputs on a side lane waits for it: dQ^T on lane 2, dT on lane 1.
+    d_t = next(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side1 and i > attention)
+    for side, first_reader in ((side2, transposes[4][0]), (side1, d_t)):
+        assert any(attention < i < first_reader for i in _waits_for(entries, side, main))
+
+
+def test_transposed_copies_that_would_overlap_are_refused(gpu):
+    from cupy_xattn.transpose import Transposed
+    Transposed(0, 3, 0, 10, 4, ld=30, dst_step=10)  # side by side
+    Transposed(0, 3, 0, 10, 4, ld=16, dst_step=64)  # apart: [4][16] blocks
+    for ld, dst_step in ((29, 10), (30, 9), (10, 10), (16, 63)):
+        with pytest.raises(ValueError, match="overlap"):
+            Transposed(0, 3, 0, 10, 4, ld=ld, dst_step=dst_step)
 
 
 def test_a_failed_step_still_joins_the_lanes_and_orders_the_callers_stream(gpu):
