@@ -183,6 +183,28 @@ __device__ __forceinline__ void load_tile(float* dst, const float* __restrict__ 
     }
 }
 
+// The k loop of this warp's products A·B over K: A = its 16 rows of a_s ([rows][ld_a]), B = b_s
+// (row stride LD_HD) read as [K][NT·8] or, with B_TRANS, as [NT·8][K]; mma(hi[n], lo[n], …) for
+// each of the NT column tiles. rows_times_t and rows_times_add give it their accumulators.
+template <int NT, int K, bool B_TRANS>
+__device__ __forceinline__ void rows_products(float hi[NT][4], float lo[NT][4], const float* a_s, int ld_a,
+                                              const float* b_s, int r0, int g, int t) {
+#pragma unroll kUnrollK
+    for (int k = 0; k < K; k += 8) {
+        float a[4];
+        load_a(a, a_s, ld_a, r0, k, g, t);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float b[2];
+            if (B_TRANS)
+                load_b_trans(b, b_s, LD_HD, k, n * 8, g, t);
+            else
+                load_b(b, b_s, LD_HD, k, n * 8, g, t);
+            mma(hi[n], lo[n], a, b);
+        }
+    }
+}
+
 // c = A B^T for this warp's 16 rows of A (a_s) and the first NT·8 rows of B (b_s), both
 // row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T.
 template <int NT>
@@ -191,17 +213,7 @@ __device__ __forceinline__ void rows_times_t(float c[NT][4], const float* a_s, c
     float c_lo[NT][4];
     zero<NT>(c);
     zero<NT>(c_lo);
-#pragma unroll kUnrollK
-    for (int k = 0; k < ATTN_HEAD_DIM; k += 8) {
-        float a[4];
-        load_a(a, a_s, LD_HD, r0, k, g, t);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            float b[2];
-            load_b_trans(b, b_s, LD_HD, k, n * 8, g, t);
-            mma(c[n], c_lo[n], a, b);
-        }
-    }
+    rows_products<NT, ATTN_HEAD_DIM, true>(c, c_lo, a_s, LD_HD, b_s, r0, g, t);
     fold<NT>(c, c_lo);
 }
 
@@ -229,17 +241,7 @@ __device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4
                                                const float* b_s, int r0, int g, int t) {
     constexpr int NT = ATTN_HEAD_DIM / 8;
     accumulate<NT>(acc, [&](float (&hi)[NT][4], float (&lo)[NT][4]) {
-#pragma unroll kUnrollK
-        for (int k = 0; k < K; k += 8) {
-            float a[4];
-            load_a(a, p_s, ld_p, r0, k, g, t);
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                float b[2];
-                load_b(b, b_s, LD_HD, k, n * 8, g, t);
-                mma(hi[n], lo[n], a, b);
-            }
-        }
+        rows_products<NT, K, false>(hi, lo, p_s, ld_p, b_s, r0, g, t);
     });
 }
 
