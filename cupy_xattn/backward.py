@@ -36,8 +36,7 @@ CUDA graph and replayed with new arrays every call (see ``plans.py``).
 import numpy
 
 from . import _cublas
-from .gemm import (COMPUTE_32F as _COMPUTE_32F, COMPUTE_32F_FAST_TF32 as _COMPUTE_TF32, OP_N, OP_T, R_16F as _R_16F,
-                   R_32F as _R_32F)
+from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
 from .attention_bwd import AttentionBackward, o_t_stride
 from .grads import INPUT_NAMES, CrossAttentionGrads
@@ -53,10 +52,6 @@ _DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows BÂ
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
 _N_SLOTS = 9
-
-#: compute type of the projection GEMMs (fp16 data with fp32 compute selects fp16 tensor cores;
-#: fp32's products are each three fp16 GEMMs).
-_COMPUTE = {"fp32": _COMPUTE_32F, "tf32": _COMPUTE_TF32, "fp16": _COMPUTE_32F}
 
 
 class PointerTable:
@@ -144,7 +139,7 @@ class Backward:
         self._join_lanes = _lane_join(self._lanes, self._events[1:])
         self._table = PointerTable()
         self._steps = []
-        self._compute = _COMPUTE[precision]
+        self._compute = COMPUTE_TYPE[precision]  # fp32: with fp16 operands, the 3xFP16 products
         self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision in ("fp16", "fp32") else None
         self._lo_offset = None  # fp32: bytes from an fp16 copy to its remainders (see _record)
         self._record(b, nv, nt, d)

@@ -305,7 +305,8 @@ def _require_gpu():
 #: GPU clock cycles of the lead kernel before each timed call (~0.3 ms at the H200's clocks).
 LEAD_CYCLES = 600_000
 
-_LEAD_SOURCE = r"""extern "C" __global__ void lead(long long cycles) {
+#: a kernel ``lead(cycles)`` that spins for that many GPU clock cycles (also used by probes and tests).
+LEAD_SOURCE = r"""extern "C" __global__ void lead(long long cycles) {
     const long long start = clock64();
     while (clock64() - start < cycles) {}
 }"""
@@ -323,7 +324,7 @@ class _Flusher:
         self.l2_bytes = int(props["l2CacheSize"])
         self.nbytes = max(2 * self.l2_bytes, 1 << 20)
         self.buffer = cupy.empty(self.nbytes, dtype=cupy.uint8)
-        self._lead = cupy.RawKernel(_LEAD_SOURCE, "lead")
+        self._lead = cupy.RawKernel(LEAD_SOURCE, "lead")
 
     def lead(self, stream_ptr=None):
         """The spin kernel on the stream at ``stream_ptr`` (default: CuPy's current stream)."""

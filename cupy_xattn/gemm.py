@@ -20,7 +20,8 @@ GEMM_DEFAULT = -1            # cublasGemmAlgo_t: cuBLAS's heuristic
 OP_N, OP_T = 0, 1            # cublasOperation_t
 
 #: compute type for the projection GEMMs of each precision mode (fp16 data uses COMPUTE_32F:
-#: the operand type, not the compute type, selects the fp16 tensor-core kernels).
+#: the operand type, not the compute type, selects the fp16 tensor-core kernels; so the
+#: backward's fp32 mode, whose operands are fp16 copies and remainders, uses it too).
 COMPUTE_TYPE = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32, "fp16": COMPUTE_32F}
 
 _DATA_TYPE = {numpy.dtype(numpy.float32): R_32F, numpy.dtype(numpy.float16): R_16F}

@@ -11,19 +11,14 @@ import cupy
 import numpy
 
 from cupy_xattn import gemm
-
-
-_SPIN = r"""extern "C" __global__ void spin(long long cycles) {
-    const long long start = clock64();
-    while (clock64() - start < cycles) {}
-}"""
+from cupy_xattn.bench import LEAD_SOURCE
 
 
 def median_us(fn, reps=20, queued=10):
     """Median over reps of the mean GPU time of ``queued`` back-to-back calls. A spin kernel
     (~1 ms) runs first, so the host has issued them all before the start event is reached:
     on this slow host one call takes longer to issue than small GEMMs take to run."""
-    spin = cupy.RawKernel(_SPIN, "spin")
+    spin = cupy.RawKernel(LEAD_SOURCE, "lead")
     fn()
     times = []
     for _ in range(reps):

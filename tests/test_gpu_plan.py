@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import cupy_xattn
-from cupy_xattn import cases, plans
+from cupy_xattn import bench, cases, plans
 from cupy_xattn.grads import CrossAttentionGrads
 
 pytestmark = pytest.mark.gpu
@@ -86,10 +86,7 @@ def test_a_call_on_a_non_default_stream_does_not_synchronize_the_device():
     import cupy
     case = cases.Case(2, 64, 77, atol=0.0)
     inputs = _inputs(case, 4)
-    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
-        const long long start = clock64();
-        while (clock64() - start < cycles) {}
-    }""", "spin")
+    spin = cupy.RawKernel(bench.LEAD_SOURCE, "lead")
     busy, ours = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     with ours:
         cupy_xattn.cross_attention_backward(**inputs)  # first call: recorded and captured
