@@ -123,7 +123,8 @@ class Backward:
         tf32 = precision == "tf32"
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=tf32)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
-        self._o = f32(d, o_t_stride(mv)) if tf32 else f32(mv, d)
+        # O^T's padding columns stay zero: the weight gradients run over the padded K (_record_tf32).
+        self._o = cupy.zeros((d, o_t_stride(mv)), numpy.float32) if tf32 else f32(mv, d)
         self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
@@ -260,8 +261,10 @@ class Backward:
         f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
         self._wo_t, self._wqkv_t = f32(d, d), f32(d, 3 * d)
-        self._video_t = f32(3, d, ldv)  # X^T, dY^T, dQ^T
-        self._text_t = f32(3 * d, ldt)  # T^T, then [dK | dV]^T
+        # Zeros past column B·N, never written: the weight gradients run over K = ldv (ldt), a
+        # multiple of 32, since cuBLAS's "tn" kernels for K ≡ 2 (mod 4) took 2-4× as long.
+        self._video_t = cupy.zeros((3, d, ldv), numpy.float32)  # X^T, dY^T, dQ^T
+        self._text_t = cupy.zeros((3 * d, ldt), numpy.float32)  # T^T, then [dK | dV]^T
         X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
         T_T, DK_T, DV_T = (addr(self._text_t, 4 * i * d * ldt) for i in range(3))
         O_T, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
@@ -291,7 +294,7 @@ class Backward:
              trans_b=True)
         self._record_bias_sums(mv, mt, d, addr, lane=0)
         step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv), 2)
-        gemm([DY_T, DQ_T], [O_T, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=mv,
+        gemm([DY_T, DQ_T], [O_T, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=ldv,
              lda=ldv, ldb=ldv, ldc=d, trans_b=True, lane=2)
         # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D; below _DT_SPLIT_ROWS rows as two
         # batched halves of its columns: for B·Nt = 77 cuBLAS ran 256 × 128 tiles (43 µs against
@@ -302,7 +305,7 @@ class Backward:
              [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
              ldb=3 * d, ldc=d, trans_b=True, lane=1)
         step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt), 1)
-        gemm([DK_T, DV_T], [T_T, T_T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
+        gemm([DK_T, DV_T], [T_T, T_T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=ldt,
              lda=ldt, ldb=ldt, ldc=d, trans_b=True, lane=1)
         self._join()
 
