@@ -48,6 +48,13 @@ OUTPUT_NAMES = CrossAttentionGrads._fields
 _H2D = 1
 _LANES = 3  # the main stream and two forked streams
 _DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B·Nt (see _record)
+_TN_MIN_ROWS = 1024  # tf32 weight gradients over at least this many rows B·N read transposes (_record_tf32)
+
+
+def _weight_grads_tn(precision, rows):
+    """Whether the tf32 weight gradients over ``rows`` = B·N rows read transposed operands ("tn"):
+    below _TN_MIN_ROWS, cuBLAS's "nt" product was as fast as the transposes plus the "tn" one."""
+    return precision == "tf32" and rows >= _TN_MIN_ROWS
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
@@ -119,12 +126,12 @@ class Backward:
                         problem.hidden_size)
         mv, mt = b * nv, b * nt
         f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
-        # tf32: the attention writes O^T, an operand of dWo = dY^T O read K-major (see _record_tf32).
-        tf32 = precision == "tf32"
-        self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=tf32)
+        # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
+        # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
+        video_tn = _weight_grads_tn(precision, mv)
+        self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
-        # O^T's padding columns stay zero: the weight gradients run over the padded K (_record_tf32).
-        self._o = cupy.zeros((d, o_t_stride(mv)), numpy.float32) if tf32 else f32(mv, d)
+        self._o = cupy.zeros((d, o_t_stride(mv)), numpy.float32) if video_tn else f32(mv, d)
         self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
@@ -154,9 +161,11 @@ class Backward:
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
+        # tf32: Wo^T, [Wq^T | Wk^T | Wv^T]; "tn": O^T's padding, X^T, dY^T, dQ^T; T^T, [dK | dV]^T
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
-        # tf32: O^T's padded rows; Wo^T, [Wq^T | Wk^T | Wv^T]; X^T, dY^T, dQ^T; T^T, [dK | dV]^T
-        transposed = 4 * (d * (ldv - mv) + 4 * d * d + 3 * d * ldv + 3 * d * ldt) if precision == "tf32" else 0
+        transposed = 4 * ((4 * d * d if precision == "tf32" else 0)
+                          + (d * (ldv - mv) + 3 * d * ldv if _weight_grads_tn(precision, mv) else 0)
+                          + (3 * d * ldt if _weight_grads_tn(precision, mt) else 0))
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -250,24 +259,22 @@ class Backward:
         self._join()
 
     def _record_tf32(self, mv, mt, d, addr):
-        """The tf32 schedule: every GEMM reads both operands K-major (transpose.cu says why).
+        """The tf32 schedule: GEMMs read both operands K-major where it pays (transpose.cu says why).
 
-        W^T copies for dO, dX and dT; for the weight gradients the transposes of both operands:
-        O^T from the attention kernel, X^T, dY^T and T^T made beside the attention (they read
-        inputs only), dQ^T and [dK | dV]^T after it, each on the lane of the GEMM that reads it.
+        W^T copies for dO, dX and dT. The weight gradients over at least _TN_MIN_ROWS rows read
+        the transposes of both operands: O^T from the attention kernel, X^T, dY^T and T^T made
+        beside the attention (they read inputs only), dQ^T and [dK | dV]^T after it, each on the
+        lane of the GEMM that reads it. Their K runs over the padded length (a multiple of 32,
+        zeros past B·N): cuBLAS's "tn" kernels for B·N ≡ 2 (mod 4) took 1.5-2× as long.
         (The bias sums, ones-row GEMMs, are not projections: they stay fp32 "nn".)
         """
         cupy = import_cupy()
-        f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
+        video_tn, text_tn = _weight_grads_tn("tf32", mv), _weight_grads_tn("tf32", mt)
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
-        self._wo_t, self._wqkv_t = f32(d, d), f32(d, 3 * d)
-        # Zeros past column B·N, never written: the weight gradients run over K = ldv (ldt), a
-        # multiple of 32, since cuBLAS's "tn" kernels for K ≡ 2 (mod 4) took 2-4× as long.
-        self._video_t = cupy.zeros((3, d, ldv), numpy.float32)  # X^T, dY^T, dQ^T
-        self._text_t = cupy.zeros((3 * d, ldt), numpy.float32)  # T^T, then [dK | dV]^T
-        X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
-        T_T, DK_T, DV_T = (addr(self._text_t, 4 * i * d * ldt) for i in range(3))
-        O_T, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
+        self._wo_t, self._wqkv_t = (cupy.empty(shape, numpy.float32) for shape in ((d, d), (d, 3 * d)))
+        self._video_t = cupy.zeros((3, d, ldv), numpy.float32) if video_tn else None  # X^T, dY^T, dQ^T
+        self._text_t = cupy.zeros((3 * d, ldt), numpy.float32) if text_tn else None  # T^T, then [dK | dV]^T
+        O, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
         table = self._table
         at = lambda *entries: table.address(table.add(*entries))  # noqa: E731
         step = lambda label, launch, lane: self._steps.append((label, launch, lane))  # noqa: E731
@@ -286,16 +293,25 @@ class Backward:
         self._record_attention()
         # Beside the attention (issued after the join, so it does not wait for them); only their own
         # lanes read them, after the fork below.
-        step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
-        step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv, dst_step=d * ldv), 2)
+        if text_tn:
+            T_T, DK_T, DV_T = (addr(self._text_t, 4 * i * d * ldt) for i in range(3))
+            step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
+        if video_tn:
+            X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
+            step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv,
+                                         dst_step=d * ldv), 2)
 
         self._fork()
         gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
              trans_b=True)
         self._record_bias_sums(mv, mt, d, addr, lane=0)
-        step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv), 2)
-        gemm([DY_T, DQ_T], [O_T, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=ldv,
-             lda=ldv, ldb=ldv, ldc=d, trans_b=True, lane=2)
+        if video_tn:  # dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T
+            step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv), 2)
+            gemm([DY_T, DQ_T], [O, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=ldv,
+                 lda=ldv, ldb=ldv, ldc=d, trans_b=True, lane=2)
+        else:
+            gemm(["grad_output", DQ], [O, "video_latents"], ["grad_output_weight", "grad_query_weight"], m=d, n=d,
+                 k=mv, lda=d, ldb=d, ldc=d, trans_a=True, lane=2)
         # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D; below _DT_SPLIT_ROWS rows as two
         # batched halves of its columns: for B·Nt = 77 cuBLAS ran 256 × 128 tiles (43 µs against
         # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
@@ -304,9 +320,13 @@ class Backward:
         gemm([DKV] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
              [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
              ldb=3 * d, ldc=d, trans_b=True, lane=1)
-        step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt), 1)
-        gemm([DK_T, DV_T], [T_T, T_T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=ldt,
-             lda=ldt, ldb=ldt, ldc=d, trans_b=True, lane=1)
+        if text_tn:  # [dWk | dWv] = [dK | dV]^T (T^T)^T
+            step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt), 1)
+            gemm([DK_T, DV_T], [T_T, T_T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=ldt,
+                 lda=ldt, ldb=ldt, ldc=d, trans_b=True, lane=1)
+        else:
+            gemm([DKV, addr(self._dkv, 4 * d)], ["text_embeddings"] * 2, ["grad_key_weight", "grad_value_weight"],
+                 m=d, n=d, k=mt, lda=2 * d, ldb=d, ldc=d, trans_a=True, lane=1)
         self._join()
 
     def _record_attention(self):

@@ -225,12 +225,13 @@ def _run_counts(log, start=0):
 
 
 # Kernels: the attention and its dK|dV chunk reduction (70 rows = 2 query tiles, split in 2);
-# tf32 adds six transposes (Wo^T; [Wq^T | Wk^T | Wv^T]; T^T; X^T and dY^T; dQ^T; [dK | dV]^T), fp16
+# tf32 adds two transposes (Wo^T; [Wq^T | Wk^T | Wv^T]: its weight gradients over 140 and 40 rows
+# read the row-major operands, see test_tf32_weight_gradients_over_few_rows_...), fp16
 # and fp32 the copy, rescale and alphas kernels for each of their two groups of tensors (fp32's
 # copies write the remainders too).
 # GEMMs: 7 products and 2 bias sums; dWo and dWq are two in fp16 and fp32 (alphas differ); each
 # product is three GEMMs in fp32 (3xFP16).
-@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 8), ("fp32", 26, 8), ("fp16", 10, 8)])
+@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 9, 4), ("fp32", 26, 8), ("fp16", 10, 8)])
 def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms, kernels):
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2, precision=precision)
@@ -367,7 +368,7 @@ def test_a_refused_capture_leaves_the_plan_uncaptured_and_correct(gpu):
     assert [graph for _, graph in plan._programs.values()] == [plans._UNCAPTURED]
     mark = len(gpu)
     plan(**_inputs(1, 1, 77))
-    assert _run_counts(gpu, mark) == {"gemm": 9, "kernel": 7, "graph": 0, "copy": 1}  # see above
+    assert _run_counts(gpu, mark) == {"gemm": 9, "kernel": 3, "graph": 0, "copy": 1}  # see above
 
 
 def test_misaligned_inputs_leave_the_fast_path(gpu):
@@ -529,11 +530,11 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
         assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
 
 
-def test_tf32_products_read_both_operands_k_major_with_transposes_beside_the_attention(gpu, monkeypatch):
+def _recorded_tf32_program(gpu, monkeypatch, tn_min_rows):
+    """A tf32 Backward of B, Nv, Nt, D = 2, 70, 20, 128 recorded with _TN_MIN_ROWS = ``tn_min_rows``,
+    its lane log of one run, lane pointers and cuBLAS calls."""
     from cupy_xattn import backward
-    from cupy_xattn.attention_bwd import o_t_stride
     from cupy_xattn.checks import Problem
-    from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     calls = []
 
     class RecordingHandle(backward._cublas.Handle):
@@ -541,30 +542,38 @@ def test_tf32_products_read_both_operands_k_major_with_transposes_beside_the_att
             calls.append(args)
             super().gemm_batched(*args)
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
+    monkeypatch.setattr(backward, "_TN_MIN_ROWS", tn_min_rows)
+    program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), "tf32", gpu.null, 132)
+    return program, *_lane_run(gpu, program), calls
+
+
+def _weight_grad_operands(program, calls, d):
+    """{C entries: (K, lda, ldb, cuBLAS transa, transb, a entries, b entries)} of the batched
+    weight-gradient GEMMs (row-major c = op(a) op(b), computed by cuBLAS as c^T = op(b)^T op(a)^T)."""
+    table, named = program._table.device.data.ptr, program._table._entries
+
+    def operands(address):
+        return named[(address - table) // 8:(address - table) // 8 + 2]
+    return {tuple(operands(args[13])): (args[4], args[8], args[11], *args[:2], operands(args[9]), operands(args[6]))
+            for args in calls if args[2:4] == (d, d) and args[15] == d and args[16] == 2}
+
+
+def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_attention(gpu, monkeypatch):
+    from cupy_xattn.attention_bwd import o_t_stride
+    from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     b, nv, nt, d = 2, 70, 20, 128
-    program = backward.Backward(Problem(b, nv, nt, d, 2, 64, 0.125), "tf32", gpu.null, 132)
-    entries, (main, side1, side2) = _lane_run(gpu, program)
+    program, entries, (main, side1, side2), calls = _recorded_tf32_program(gpu, monkeypatch, b * nt)
     products = [args for args in calls if args[-1] == COMPUTE_32F_FAST_TF32]
     assert len(products) == 7 and all(args[:2] == (OP_T, OP_N) for args in products)  # row-major a · b^T
 
-    # The weight gradients: dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T; dWk, dWv = dK^T, dV^T times (T^T)^T.
-    table, named = program._table.device.data.ptr, program._table._entries
-
-    def operands(address, batch):
-        return named[(address - table) // 8:(address - table) // 8 + batch]
+    # dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T; dWk, dWv = dK^T, dV^T times (T^T)^T, over the padded K.
     ldv, ldt = o_t_stride(b * nv), o_t_stride(b * nt)
     video, text = program._video_t.data.ptr, program._text_t.data.ptr
     x_t, dy_t, dq_t = (video + 4 * i * d * ldv for i in range(3))
     t_t, dk_t, dv_t = (text + 4 * i * d * ldt for i in range(3))
-    # K is the padded length (zeros past B·N: the GPU tests' odd shapes check they stay zero).
-    expected = {ldv: (ldv, [dy_t, dq_t], [program._o.data.ptr, x_t], ["grad_output_weight", "grad_query_weight"]),
-                ldt: (ldt, [dk_t, dv_t], [t_t, t_t], ["grad_key_weight", "grad_value_weight"])}
-    weight_grads = [args for args in products if args[2:4] == (d, d) and args[4] in expected]
-    assert len(weight_grads) == 2
-    for args in weight_grads:
-        ld, a, b_, c = expected[args[4]]
-        assert args[16] == 2 and args[8] == args[11] == ld  # batched, ldb and lda
-        assert operands(args[9], 2) == a and operands(args[6], 2) == b_ and operands(args[13], 2) == c
+    assert _weight_grad_operands(program, products, d) == {
+        ("grad_output_weight", "grad_query_weight"): (ldv, ldv, ldv, OP_T, OP_N, [dy_t, dq_t], [program._o.data.ptr, x_t]),
+        ("grad_key_weight", "grad_value_weight"): (ldt, ldt, ldt, OP_T, OP_N, [dk_t, dv_t], [t_t, t_t])}
 
     attention = next(i for i, e in enumerate(entries) if e[0] == "kernel" and e[1].startswith("attn_bwd"))
     transposes = [(i, e[2]) for i, e in enumerate(entries) if e[:2] == ("kernel", "transposed_copies")]
@@ -575,6 +584,21 @@ def test_tf32_products_read_both_operands_k_major_with_transposes_beside_the_att
     d_t = next(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side1 and i > attention)
     for side, first_reader in ((side2, transposes[4][0]), (side1, d_t)):
         assert any(attention < i < first_reader for i in _waits_for(entries, side, main))
+
+
+def test_tf32_weight_gradients_over_few_rows_read_the_row_major_operands(gpu, monkeypatch):
+    from cupy_xattn.gemm import OP_N, OP_T
+    b, nv, nt, d = 2, 70, 20, 128
+    program, entries, _, calls = _recorded_tf32_program(gpu, monkeypatch, b * nv + 1)
+    assert program._video_t is None and program._text_t is None and program._o.shape == (b * nv, d)  # row-major O
+    dkv, o = program._dkv.data.ptr, program._o.data.ptr
+    assert _weight_grad_operands(program, calls, d) == {  # dWo = dY^T O, dWq = dQ^T X; dWk, dWv = dK^T T, dV^T T
+        ("grad_output_weight", "grad_query_weight"): (b * nv, d, d, OP_N, OP_T, ["grad_output", program._dq.data.ptr],
+                                                      [o, "video_latents"]),
+        ("grad_key_weight", "grad_value_weight"): (b * nt, d, 2 * d, OP_N, OP_T, [dkv, dkv + 4 * d],
+                                                   ["text_embeddings"] * 2)}
+    assert [e[2] for e in entries if e[:2] == ("kernel", "transposed_copies")] == [program._lanes[1].ptr,
+                                                                                 program._lanes[2].ptr]  # W^T only
 
 
 def test_transposed_copies_that_would_overlap_are_refused(gpu):
