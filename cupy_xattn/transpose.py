@@ -5,14 +5,15 @@ import numpy
 from . import kernels
 
 SOURCE = "transpose.cu"
-_TILE, _ROWS = 32, 8
+_TILE, _THREADS = 64, 256
 
 
 class Transposed:
     """S_i^T for n row-major [rows][cols] float32 matrices S_i whose addresses are n consecutive
     entries of a pointer table at ``sources_address``: each written as [cols][ld] at device
     address ``dst + 4·i·dst_step``. Defaults: side by side, ``[S_0^T | … | S_{n−1}^T]``
-    (dst_step = rows, ld = n·rows)."""
+    (dst_step = rows, ld = n·rows). The matrices must be 16-byte aligned; float4 accesses where
+    cols, ld and dst_step are multiples of 4, floats otherwise."""
 
     def __init__(self, sources_address, n, dst, rows, cols, ld=None, dst_step=None):
         ld = n * rows if ld is None else ld
@@ -21,10 +22,11 @@ class Transposed:
         if ld < rows or (n > 1 and not apart and (dst_step < rows or (n - 1) * dst_step + rows > ld)):
             raise ValueError(f"transposed copies overlap: n {n}, rows {rows}, cols {cols}, ld {ld}, "
                              f"dst_step {dst_step}")
-        self._kernel = kernels.get_kernel(SOURCE, "transposed_copies")
+        vec = 4 if cols % 4 == ld % 4 == dst_step % 4 == 0 else 1
+        self._kernel = kernels.get_kernel(SOURCE, "transposed_copies", {"TR_VEC": vec})
         self._grid = (-(-rows // _TILE), -(-cols // _TILE), n)
         self._args = (numpy.uint64(sources_address), numpy.uint64(dst), numpy.int64(dst_step), numpy.int32(rows),
                       numpy.int32(cols), numpy.int64(ld))
 
     def __call__(self):
-        self._kernel(self._grid, (_TILE, _ROWS), self._args)
+        self._kernel(self._grid, (_THREADS,), self._args)

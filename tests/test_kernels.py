@@ -33,6 +33,12 @@ def test_attention_kernel_variants_compile(defines, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_transpose_of_floats_compiles(arch):  # TR_VEC = 1: shapes whose rows are not float4s
+    cubin = kernels.compile_cubin("transpose.cu", arch, {"TR_VEC": 1})
+    assert cubin[:4] == b"\x7fELF" and b"transposed_copies" in cubin
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("defines", [{"ATTN_SPLIT3": 1}, {"ATTN_HEAD_DIM": 128},
                                      {"ATTN_HEAD_DIM": 128, "ATTN_SPLIT3": 1}])
 def test_attention_forward_variants_compile(defines, arch):
