@@ -58,6 +58,7 @@ def _weight_grads_tn(precision, rows):
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
+_VIDEO_BIASES, _TEXT_BIASES = ["grad_output_bias", "grad_query_bias"], ["grad_key_bias", "grad_value_bias"]
 _N_SLOTS = 9
 
 
@@ -161,11 +162,13 @@ class Backward:
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
-        # tf32: Wo^T, [Wq^T | Wk^T | Wv^T]; "tn": O^T's padding, X^T, dY^T, dQ^T; T^T, [dK | dV]^T
+        # tf32: Wo^T, [Wq^T | Wk^T | Wv^T]; "tn": O^T's padding, X^T, dY^T, dQ^T and the column sums of
+        # dY, dQ; T^T, [dK | dV]^T and the column sums of [dK | dV]
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
+        tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
         transposed = 4 * ((4 * d * d if precision == "tf32" else 0)
-                          + (d * (ldv - mv) + 3 * d * ldv if _weight_grads_tn(precision, mv) else 0)
-                          + (3 * d * ldt if _weight_grads_tn(precision, mt) else 0))
+                          + (d * (ldv - mv) + 3 * d * ldv + 2 * tiles_v * d if _weight_grads_tn(precision, mv) else 0)
+                          + (3 * d * ldt + tiles_t * 2 * d if _weight_grads_tn(precision, mt) else 0))
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -255,7 +258,9 @@ class Backward:
              alpha=alpha(_DKV, _WKV), lane=1, **half)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
              lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, **half)
-        self._record_bias_sums(mv, mt, d, addr, lane=2)
+        # Bias gradients from the fp32 tensors (DQ, DK, DV above are their fp16 copies).
+        self._record_column_sums(["grad_output", addr(self._dq)], _VIDEO_BIASES, mv, d, lane=2)
+        self._record_column_sums([addr(self._dkv), addr(self._dkv, 4 * d)], _TEXT_BIASES, mt, 2 * d, lane=2)
         self._join()
 
     def _record_tf32(self, mv, mt, d, addr):
@@ -266,7 +271,9 @@ class Backward:
         beside the attention (they read inputs only), dQ^T and [dK | dV]^T after it, each on the
         lane of the GEMM that reads it. Their K runs over the padded length (a multiple of 32,
         zeros past B·N): cuBLAS's "tn" kernels for B·N ≡ 2 (mod 4) took 1.5-2× as long.
-        (The bias sums, ones-row GEMMs, are not projections: they stay fp32 "nn".)
+        The transposes of dY, dQ and [dK | dV] also write column sums by blocks of rows, which
+        ones-row GEMMs (fp32) add up to the bias gradients; without them, ones-row GEMMs over the
+        tensors themselves.
         """
         cupy = import_cupy()
         video_tn, text_tn = _weight_grads_tn("tf32", mv), _weight_grads_tn("tf32", mt)
@@ -274,6 +281,9 @@ class Backward:
         self._wo_t, self._wqkv_t = (cupy.empty(shape, numpy.float32) for shape in ((d, d), (d, 3 * d)))
         self._video_t = cupy.zeros((3, d, ldv), numpy.float32) if video_tn else None  # X^T, dY^T, dQ^T
         self._text_t = cupy.zeros((3 * d, ldt), numpy.float32) if text_tn else None  # T^T, then [dK | dV]^T
+        tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
+        self._video_sums = cupy.empty((2, tiles_v, d), numpy.float32) if video_tn else None  # of dY, dQ
+        self._text_sums = cupy.empty((tiles_t, 2 * d), numpy.float32) if text_tn else None  # of [dK | dV]
         O, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
         table = self._table
         at = lambda *entries: table.address(table.add(*entries))  # noqa: E731
@@ -298,21 +308,23 @@ class Backward:
             step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
         if video_tn:
             X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
+            DY_SUMS, DQ_SUMS = (addr(self._video_sums, 4 * i * tiles_v * d) for i in range(2))
             step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv,
-                                         dst_step=d * ldv), 2)
+                                         dst_step=d * ldv, sums=DY_SUMS, sum_from=1), 2)
         self._join()
 
         self._fork()
         gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
              trans_b=True)
-        self._record_bias_sums(mv, mt, d, addr, lane=0)
         if video_tn:  # dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T
-            step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv), 2)
+            step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv, sums=DQ_SUMS), 2)
+            self._record_column_sums([DY_SUMS, DQ_SUMS], _VIDEO_BIASES, tiles_v, d, lane=2)
             gemm([DY_T, DQ_T], [O, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=ldv,
                  lda=ldv, ldb=ldv, ldc=d, trans_b=True, lane=2)
         else:
             gemm(["grad_output", DQ], [O, "video_latents"], ["grad_output_weight", "grad_query_weight"], m=d, n=d,
                  k=mv, lda=d, ldb=d, ldc=d, trans_a=True, lane=2)
+            self._record_column_sums(["grad_output", DQ], _VIDEO_BIASES, mv, d, lane=0)
         # dT = [dK | dV] [Wk^T | Wv^T]^T, one GEMM with K = 2D; below _DT_SPLIT_ROWS rows as two
         # batched halves of its columns: for B·Nt = 77 cuBLAS ran 256 × 128 tiles (43 µs against
         # 11 µs halved); from 100 rows on the single product is as fast or faster (perf-notes).
@@ -322,12 +334,15 @@ class Backward:
              [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
              ldb=3 * d, ldc=d, trans_b=True, lane=1)
         if text_tn:  # [dWk | dWv] = [dK | dV]^T (T^T)^T
-            step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt), 1)
+            step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt, sums=addr(self._text_sums)), 1)
+            self._record_column_sums([addr(self._text_sums), addr(self._text_sums, 4 * d)], _TEXT_BIASES, tiles_t,
+                                     2 * d, lane=1)
             gemm([DK_T, DV_T], [T_T, T_T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=ldt,
                  lda=ldt, ldb=ldt, ldc=d, trans_b=True, lane=1)
         else:
             gemm([DKV, addr(self._dkv, 4 * d)], ["text_embeddings"] * 2, ["grad_key_weight", "grad_value_weight"],
                  m=d, n=d, k=mt, lda=2 * d, ldb=d, ldc=d, trans_a=True, lane=1)
+            self._record_column_sums([DKV, addr(self._dkv, 4 * d)], _TEXT_BIASES, mt, 2 * d, lane=0)
         self._join()
 
     def _record_attention(self):
@@ -338,14 +353,13 @@ class Backward:
                                                self._text_lengths)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
 
-    def _record_bias_sums(self, mv, mt, d, addr, lane):
-        """Bias gradients: fp32 column sums of the fp32 tensors, a ones row times the matrix."""
-        ones = addr(self._ones)
-        fp32 = dict(data_type=_R_32F, compute=_COMPUTE_32F, lane=lane)
-        self._gemm([ones, ones], ["grad_output", addr(self._dq)], ["grad_output_bias", "grad_query_bias"],
-                   m=1, n=d, k=mv, lda=mv, ldb=d, ldc=d, **fp32)
-        self._gemm([ones, ones], [addr(self._dkv), addr(self._dkv, 4 * d)], ["grad_key_bias", "grad_value_bias"],
-                   m=1, n=d, k=mt, lda=mt, ldb=2 * d, ldc=d, **fp32)
+    def _record_column_sums(self, sources, outputs, rows, ld, lane):
+        """Bias gradients: fp32 column sums of two [rows][D] fp32 matrices (row stride ``ld``), a
+        ones row times each (one batched GEMM)."""
+        ones = self._ones.data.ptr
+        d = self.problem.hidden_size
+        self._gemm([ones, ones], sources, outputs, m=1, n=d, k=rows, lda=rows, ldb=ld, ldc=d, data_type=_R_32F,
+                   compute=_COMPUTE_32F, lane=lane)
 
     def _record_conversions(self, tensors):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest address, slot)]

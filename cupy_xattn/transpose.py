@@ -13,9 +13,18 @@ class Transposed:
     entries of a pointer table at ``sources_address``: each written as [cols][ld] at device
     address ``dst + 4·i·dst_step``. Defaults: side by side, ``[S_0^T | … | S_{n−1}^T]``
     (dst_step = rows, ld = n·rows). The matrices must be 16-byte aligned; float4 accesses where
-    cols, ld and dst_step are multiples of 4, floats otherwise."""
+    cols, ld and dst_step are multiples of 4, floats otherwise.
 
-    def __init__(self, sources_address, n, dst, rows, cols, ld=None, dst_step=None):
+    With ``sums`` (a device address), S_i for i ≥ ``sum_from`` also get column sums by blocks of
+    rows: ``sums`` is then float32 [n − sum_from][row_tiles(rows)][cols], whose sums over the
+    middle axis are the column sums of the S_i."""
+
+    @staticmethod
+    def row_tiles(rows):
+        """Blocks of rows that ``sums`` holds one partial column sum for."""
+        return -(-rows // _TILE)
+
+    def __init__(self, sources_address, n, dst, rows, cols, ld=None, dst_step=None, sums=0, sum_from=0):
         ld = n * rows if ld is None else ld
         dst_step = rows if dst_step is None else dst_step
         apart = dst_step >= cols * ld  # each copy in its own [cols][ld] block, else columns side by side
@@ -24,9 +33,11 @@ class Transposed:
                              f"dst_step {dst_step}")
         vec = 4 if cols % 4 == ld % 4 == dst_step % 4 == 0 else 1
         self._kernel = kernels.get_kernel(SOURCE, "transposed_copies", {"TR_VEC": vec})
-        self._grid = (-(-rows // _TILE), -(-cols // _TILE), n)
+        if not 0 <= sum_from < n:
+            raise ValueError(f"sum_from {sum_from} is not one of the {n} matrices")
+        self._grid = (self.row_tiles(rows), -(-cols // _TILE), n)
         self._args = (numpy.uint64(sources_address), numpy.uint64(dst), numpy.int64(dst_step), numpy.int32(rows),
-                      numpy.int32(cols), numpy.int64(ld))
+                      numpy.int32(cols), numpy.int64(ld), numpy.uint64(sums), numpy.int32(sum_from))
 
     def __call__(self):
         self._kernel(self._grid, (_THREADS,), self._args)

@@ -16,6 +16,10 @@
 // gridDim.y's 65535 tiles), one 64 × 64 tile each, through shared memory so that reads and writes
 // are both whole rows. Each thread has all its loads in flight before it stores any: 32 × 32
 // tiles of one float a thread moved ~3.0 TB/s on 8192 × 1024 (the copy rate is 4.2).
+// With sums (not null), the blocks of matrices i ≥ sum_from also write the column sums of their
+// tile rows, in a fixed order (no atomics): sums[(i − sum_from)·gridDim.x + blockIdx.x][cols], of
+// which a ones-row GEMM makes the bias gradients (the column sums of dY, dQ, [dK | dV]) without
+// another pass over those tensors.
 // TR_VEC = 4: float4 loads and stores (cols, ld and dst_step multiples of 4, 16-byte aligned
 // matrices); TR_VEC = 1: floats, for any shape.
 
@@ -52,8 +56,9 @@ __device__ __forceinline__ void store_vec(float* p, const float (&v)[TR_VEC], in
 
 extern "C" __global__ void __launch_bounds__(TR_THREADS)
 transposed_copies(const float* const* __restrict__ src, float* __restrict__ dst, long long dst_step, int rows,
-                  int cols, long long ld) {
+                  int cols, long long ld, float* __restrict__ sums, int sum_from) {
     __shared__ float tile[TR_TILE][TR_TILE + 1];  // +1: the column reads spread over the banks
+    __shared__ float quarter_sums[TR_THREADS / TR_TILE][TR_TILE];
     const float* __restrict__ s = src[blockIdx.z];
     float* __restrict__ d = dst + blockIdx.z * dst_step;
     const int tx = threadIdx.x % TR_TX, ty = threadIdx.x / TR_TX;
@@ -68,6 +73,20 @@ transposed_copies(const float* const* __restrict__ src, float* __restrict__ dst,
 #pragma unroll
         for (int j = 0; j < TR_VEC; ++j) tile[ty + i * TR_TY][tx * TR_VEC + j] = v[i][j];
     __syncthreads();
+    if (sums != nullptr && (int)blockIdx.z >= sum_from) {  // rows past `rows` hold zeros (v's start)
+        const int c = threadIdx.x % TR_TILE, q = threadIdx.x / TR_TILE, span = TR_TILE * TR_TILE / TR_THREADS;
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < span; ++r) sum += tile[q * span + r][c];
+        quarter_sums[q][c] = sum;
+        __syncthreads();
+        if (threadIdx.x < TR_TILE && x0 + c < cols) {
+            sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < TR_THREADS / TR_TILE; ++k) sum += quarter_sums[k][c];
+            sums[((long long)(blockIdx.z - sum_from) * gridDim.x + blockIdx.x) * cols + x0 + c] = sum;
+        }
+    }
     const int out_col = y0 + tx * TR_VEC;  // S^T(c, r) = S(r, c): TR_VEC source rows of one column
 #pragma unroll
     for (int i = 0; i < TR_PASSES; ++i) {

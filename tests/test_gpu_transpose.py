@@ -37,3 +37,19 @@ def test_transposed_copies_apart_keep_their_own_rows(n, rows, cols, ld):
     for i, s in enumerate(sources):
         numpy.testing.assert_array_equal(got[i, :, :rows], cupy.asnumpy(s).T)
     assert numpy.isnan(got[:, :, rows:]).all()
+
+
+@pytest.mark.parametrize("n, rows, cols, sum_from", [(2, 1382, 256, 1), (1, 154, 2048, 0), (3, 33, 70, 1)])
+def test_transposed_copies_write_column_sums_of_each_block_of_rows(n, rows, cols, sum_from):
+    import cupy
+    sources, table = _sources(n, rows, cols)
+    tiles = Transposed.row_tiles(rows)
+    sums = cupy.full((n - sum_from, tiles, cols), numpy.nan, numpy.float32)
+    dst = cupy.full((cols, n * rows), numpy.nan, numpy.float32)
+    Transposed(table.data.ptr, n, dst.data.ptr, rows, cols, sums=sums.data.ptr, sum_from=sum_from)()
+    got = cupy.asnumpy(sums)
+    for i, s in enumerate(sources[sum_from:]):
+        s = cupy.asnumpy(s).astype(numpy.float64)
+        blocks = numpy.stack([s[t * 64:(t + 1) * 64].sum(0) for t in range(tiles)])
+        numpy.testing.assert_allclose(got[i], blocks, rtol=1e-5, atol=1e-5)
+    numpy.testing.assert_array_equal(cupy.asnumpy(dst), numpy.concatenate([cupy.asnumpy(s).T for s in sources], 1))

@@ -451,7 +451,7 @@ def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(g
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32", "fp16"])
-@pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200)])
+@pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200), (4, 300, 300)])
 def test_memory_estimate_matches_what_a_recording_allocates(gpu, monkeypatch, shape, precision):
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
@@ -559,6 +559,7 @@ def _weight_grad_operands(program, calls, d):
 
 
 def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_attention(gpu, monkeypatch):
+    from cupy_xattn.transpose import Transposed
     from cupy_xattn.attention_bwd import o_t_stride
     from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     b, nv, nt, d = 2, 70, 20, 128
@@ -574,6 +575,20 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
     assert _weight_grad_operands(program, products, d) == {
         ("grad_output_weight", "grad_query_weight"): (ldv, ldv, ldv, OP_T, OP_N, [dy_t, dq_t], [program._o.data.ptr, x_t]),
         ("grad_key_weight", "grad_value_weight"): (ldt, ldt, ldt, OP_T, OP_N, [dk_t, dv_t], [t_t, t_t])}
+
+    # The bias gradients: ones-row GEMMs over the column sums by blocks of 64 rows that the transposes
+    # of dY (the second of X^T, dY^T), dQ and [dK | dV] write.
+    named, table = program._table._entries, program._table.device.data.ptr
+    sums = {tuple(named[(args[6] - table) // 8:(args[6] - table) // 8 + 2]): (args[4], args[8])
+            for args in calls if args[3] == 1}  # cuBLAS's n = 1: the row-major ones row is our m
+    ones, tiles_v, tiles_t = program._ones.data.ptr, -(-b * nv // 64), -(-b * nt // 64)
+    video_sums, text_sums = program._video_sums.data.ptr, program._text_sums.data.ptr
+    assert sums == {(video_sums, video_sums + 4 * tiles_v * d): (tiles_v, d),
+                    (text_sums, text_sums + 4 * d): (tiles_t, 2 * d)}
+    assert all(named[(args[9] - table) // 8] == ones for args in calls if args[3] == 1)
+    sum_args = [launch._args[-2:] for _, launch, _ in program._steps if isinstance(launch, Transposed)]
+    assert [(int(address), int(first)) for address, first in sum_args if address] == [
+        (video_sums, 1), (video_sums + 4 * tiles_v * d, 0), (text_sums, 0)]
 
     attention = next(i for i, e in enumerate(entries) if e[0] == "kernel" and e[1].startswith("attn_bwd"))
     transposes = [(i, e[2]) for i, e in enumerate(entries) if e[:2] == ("kernel", "transposed_copies")]
