@@ -294,15 +294,15 @@ class Backward:
         gemm(["video_latents"], ["query_weight"], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
         gemm(["text_embeddings"] * 2, ["key_weight", "value_weight"], [addr(self._kv0), addr(self._kv0, 4 * d)],
              m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
+        step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
+                                                addr(self._wqkv_t), d, d), 1)  # dX and dT read them
         step("Wo^T", Transposed(at("output_weight"), 1, addr(self._wo_t), d, d), 2)
         gemm(["grad_output"], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
              trans_b=True, lane=2)
         self._join()
         self._record_attention()
-        # Beside the attention (issued after the join, so it does not wait for them), joined before the
-        # GEMMs that read them (dX on the main lane reads Wq^T).
-        step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
-                                                addr(self._wqkv_t), d, d), 1)  # dX and dT read them
+        # Beside the attention (issued after the join, so it does not wait for them); only their own
+        # lanes read them, after the fork below.
         if text_tn:
             T_T, DK_T, DV_T = (addr(self._text_t, 4 * i * d * ldt) for i in range(3))
             step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
@@ -311,7 +311,6 @@ class Backward:
             DY_SUMS, DQ_SUMS = (addr(self._video_sums, 4 * i * tiles_v * d) for i in range(2))
             step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv,
                                          dst_step=d * ldv, sums=DY_SUMS, sum_from=1), 2)
-        self._join()
 
         self._fork()
         gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
