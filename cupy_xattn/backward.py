@@ -40,7 +40,7 @@ from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F a
 from ._cupy import import_cupy
 from .attention_bwd import AttentionBackward, o_t_stride
 from .grads import INPUT_NAMES, CrossAttentionGrads
-from .half_scaling import HalfScaler
+from .half_scaling import HalfScaler, column_sum_rows
 from .transpose import Transposed
 
 OUTPUT_NAMES = CrossAttentionGrads._fields
@@ -151,6 +151,7 @@ class Backward:
         self._compute = COMPUTE_TYPE[precision]  # fp32: with fp16 operands, the 3xFP16 products
         self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision in ("fp16", "fp32") else None
         self._lo_offset = None  # fp32: bytes from an fp16 copy to its remainders (see _record)
+        self._sm_count, self._column_sums = sm_count, []  # the conversions' partial column sums
         self._record(b, nv, nt, d)
         self._table.finalize()
 
@@ -162,6 +163,10 @@ class Backward:
         mv, mt = b * nv, b * nt
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
+        if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
+            sizes_a, sizes_b = _conversion_sizes(mv, mt, d)
+            fp16 += 4 * sum(rows * cols for group, sum_cols in ((sizes_a, [d]), (sizes_b, [d, 2 * d]))
+                            for rows, cols in zip(column_sum_rows(group, sum_cols, sm_count), sum_cols))
         # tf32: Wo^T, [Wq^T | Wk^T | Wv^T]; "tn": O^T's padding, X^T, dY^T, dQ^T and the column sums of
         # dY, dQ; T^T, [dK | dV]^T and the column sums of [dK | dV]
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
@@ -225,14 +230,13 @@ class Backward:
         X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
                                            for start in numpy.cumsum([0] + sizes[:-1]).tolist())
         WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
-        # (source entry, element count, fp16 destination, scale slot)
-        stage_a = [("video_latents", mv * d, X, _X), ("text_embeddings", mt * d, T, _T),
-                   ("query_weight", d * d, WQ, _WQ), ("key_weight", d * d, WK, _WKV),
-                   ("value_weight", d * d, WV, _WKV), ("output_weight", d * d, WO, _WO),
-                   ("grad_output", mv * d, DY, _DY)]
-        stage_b = [(addr(self._o), mv * d, O, _O), (addr(self._dq), mv * d, DQ, _DQ),
-                   (addr(self._dkv), mt * 2 * d, DK, _DKV)]
-        self._record_conversions(stage_a)
+        # (source entry, element count, fp16 destination, scale slot, row length of its column sums or 0)
+        stage_a = [("video_latents", X, _X, 0), ("text_embeddings", T, _T, 0), ("query_weight", WQ, _WQ, 0),
+                   ("key_weight", WK, _WKV, 0), ("value_weight", WV, _WKV, 0), ("output_weight", WO, _WO, 0),
+                   ("grad_output", DY, _DY, d)]
+        stage_b = [(addr(self._o), O, _O, 0), (addr(self._dq), DQ, _DQ, d), (addr(self._dkv), DK, _DKV, 2 * d)]
+        sizes_a, sizes_b = _conversion_sizes(mv, mt, d)
+        (dy_sums, rows_a), = self._record_conversions(stage_a, sizes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
 
@@ -245,7 +249,7 @@ class Backward:
              **half)
         self._join()
         self._record_attention()
-        self._record_conversions(stage_b)
+        (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, sizes_b)
 
         self._fork()
         gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ), **half)
@@ -258,9 +262,13 @@ class Backward:
              alpha=alpha(_DKV, _WKV), lane=1, **half)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
              lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, **half)
-        # Bias gradients from the fp32 tensors (DQ, DK, DV above are their fp16 copies).
-        self._record_column_sums(["grad_output", addr(self._dq)], _VIDEO_BIASES, mv, d, lane=2)
-        self._record_column_sums([addr(self._dkv), addr(self._dkv, 4 * d)], _TEXT_BIASES, mt, 2 * d, lane=2)
+        # Bias gradients: the partial column sums the conversions wrote (of the fp32 tensors), added up.
+        if rows_a == rows_b:
+            self._record_column_sums([dy_sums, dq_sums], _VIDEO_BIASES, rows_a, d, lane=2)
+        else:
+            for sums, rows, bias in ((dy_sums, rows_a, _VIDEO_BIASES[:1]), (dq_sums, rows_b, _VIDEO_BIASES[1:])):
+                self._record_column_sums([sums], bias, rows, d, lane=2)
+        self._record_column_sums([dkv_sums, dkv_sums + 4 * d], _TEXT_BIASES, rows_kv, 2 * d, lane=2)
         self._join()
 
     def _record_tf32(self, mv, mt, d, addr):
@@ -353,23 +361,31 @@ class Backward:
         self._steps.append(("attention", lambda: attention(*buffers), 0))
 
     def _record_column_sums(self, sources, outputs, rows, ld, lane):
-        """Bias gradients: fp32 column sums of two [rows][D] fp32 matrices (row stride ``ld``), a
-        ones row times each (one batched GEMM)."""
-        ones = self._ones.data.ptr
+        """Bias gradients: fp32 column sums of [rows][D] fp32 matrices (row stride ``ld``), a ones row
+        times each (one batched GEMM)."""
         d = self.problem.hidden_size
-        self._gemm([ones, ones], sources, outputs, m=1, n=d, k=rows, lda=rows, ldb=ld, ldc=d, data_type=_R_32F,
-                   compute=_COMPUTE_32F, lane=lane)
+        self._gemm([self._ones.data.ptr] * len(sources), sources, outputs, m=1, n=d, k=rows, lda=rows, ldb=ld, ldc=d,
+                   data_type=_R_32F, compute=_COMPUTE_32F, lane=lane)
 
-    def _record_conversions(self, tensors):
-        """Record the scaled fp16 copies of ``tensors`` [(source entry, size, dest address, slot)]
-        (fp32: and their remainders, at ``_lo_offset`` from each copy)."""
+    def _record_conversions(self, tensors, sizes):
+        """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot, cols)] of
+        ``sizes`` elements (fp32: and their remainders, at ``_lo_offset`` from each copy), with the
+        partial column sums of those given a row length ``cols``: [(address, rows)] of those, in order."""
+        cupy = import_cupy()
         first = self._table.add(*(source for source, *_ in tensors))
         lo = self._lo_offset
+        sum_cols = [cols for *_, cols in tensors if cols]
+        sums = [cupy.empty((rows, cols), numpy.float32) for rows, cols in
+                zip(column_sum_rows(sizes, sum_cols, self._sm_count), sum_cols)]
+        self._column_sums += sums
+        addresses = iter(s.data.ptr for s in sums)
         copy, rescale = self._scaler.group(self._table.address(first),
-                                           [(size, dest, slot, 0 if lo is None else dest + lo)
-                                            for _, size, dest, slot in tensors])
+                                           [(size, dest, slot, 0 if lo is None else dest + lo,
+                                             next(addresses) if cols else 0, cols)
+                                            for size, (_, dest, slot, cols) in zip(sizes, tensors)])
         self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0),
                         ("fp16 alphas", self._scaler.update_alphas, 0)]
+        return [(s.data.ptr, s.shape[0]) for s in sums]
 
     # -- running -----------------------------------------------------------------------------
 
@@ -404,6 +420,12 @@ class Backward:
             # whoever orders itself after the main lane (and reuses these buffers) is after it too.
             self._join_lanes()
             raise
+
+
+def _conversion_sizes(mv, mt, d):
+    """Element counts of the tensors converted to fp16 before the attention (X, T, Wq, Wk, Wv, Wo, dY)
+    and after it (O, dQ, [dK | dV])."""
+    return [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d], [mv * d, mv * d, 2 * mt * d]
 
 
 def _half_elements(mv, mt, d):

@@ -1,5 +1,7 @@
 """Launcher of ``kernels_cu/half_scaling.cu``: fp16 copies (and remainders) with per-tensor power-of-two scales."""
 
+import math
+
 import numpy
 
 from . import kernels
@@ -7,6 +9,24 @@ from ._cupy import import_cupy
 
 SOURCE = "half_scaling.cu"
 _THREADS = 256
+
+
+def _blocks(sizes, sum_cols, sm_count):
+    """Blocks of one group's launches: enough for its largest tensor, at most two per SM, rounded up
+    so that blocks · threads is a multiple of cols / 4 for each row length in ``sum_cols`` (the
+    tensors given column sums: see half_scaling.cu)."""
+    blocks = max(1, min(-(-max(sizes) // 4 // _THREADS), 2 * sm_count))
+    for cols in sum_cols:
+        step = cols // 4 // math.gcd(cols // 4, _THREADS)
+        blocks = -(-blocks // step) * step
+    return blocks
+
+
+def column_sum_rows(sizes, sum_cols, sm_count):
+    """Rows of partial column sums that a group of tensors of ``sizes`` writes for a tensor of row length
+    ``cols`` in ``sum_cols`` (the row lengths of the group's tensors with column sums, in order)."""
+    threads = _blocks(sizes, sum_cols, sm_count) * _THREADS
+    return [4 * threads // cols for cols in sum_cols]
 
 
 class HalfScaler:
@@ -22,7 +42,7 @@ class HalfScaler:
     def __init__(self, n_slots, sm_count):
         cupy = import_cupy()
         self.n_slots = n_slots
-        self._max_blocks = 2 * sm_count
+        self._sm_count = sm_count
         # One buffer: amax bits (zero between groups: half_alphas clears them), inverse scales,
         # the scales guessed for the next copies (the last ones found; 1 at first), n × n alphas.
         n = n_slots
@@ -43,18 +63,20 @@ class HalfScaler:
         Parameters
         ----------
         sources_address : device address of consecutive addresses of the fp32 sources.
-        tensors : list of ``(size, dest, slot, lo)``: element count, device address of the fp16
-            copy, scale slot (tensors sharing a slot share one scale), and device address of the
-            fp16 remainders (the fp32 mode's lo parts; 0: none).
+        tensors : list of ``(size, dest, slot, lo, sums, cols)``: element count, device address of
+            the fp16 copy, scale slot (tensors sharing a slot share one scale), device address of
+            the fp16 remainders (the fp32 mode's lo parts; 0: none), and of the partial column
+            sums of the tensor as a matrix of rows of ``cols`` elements (0: none): float32
+            [column_sum_rows(...)][cols], whose sum over rows is the column sums.
         """
         cupy = import_cupy()
-        if any(size % 4 for size, *_ in tensors):
-            raise ValueError("half conversion needs sizes that are multiples of 4")
+        if any(size % 4 or (sums and (cols % 4 or size % cols)) for size, _, _, _, sums, cols in tensors):
+            raise ValueError("half conversion needs sizes and row lengths that are multiples of 4")
         n = len(tensors)
-        size, dest, slot, lo = zip(*tensors)
-        meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo), numpy.int64)
+        size, dest, slot, lo, sums, cols = zip(*tensors)
+        meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums), numpy.int64)
         self._groups.append(meta)
-        blocks = max(1, min(-(-max(size) // 4 // _THREADS), self._max_blocks))
+        blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
         grid, block = (blocks, n), (_THREADS,)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))
         amax, guess = numpy.uint64(self._amax_bits), numpy.uint64(self._guess)

@@ -33,7 +33,14 @@
 // the tensor. sources[i] is a slot of the plan's pointer table (the caller's arrays move from
 // call to call); meta holds, for n tensors, n4[i] (element count / 4), then dest[i] (the fp16
 // copy's address), then slot[i] (its scale slot; tensors may share one), then lo[i] (the
-// remainder's address, 0 for none).
+// remainder's address, 0 for none), then sums[i] (below; 0 for none).
+//
+// Column sums (the bias gradients of dY, dQ, [dK | dV]), in the copy's pass over x: with x a
+// row-major [rows][4·cols4] matrix and gridDim.x·HALF_THREADS a multiple of cols4 (the launcher
+// rounds the grid up), every step of a thread's grid-stride loop lands on the same four columns,
+// so it sums them in registers; thread g writes its sums, in a fixed order (no atomics), at
+// sums[g / cols4][4·(g % cols4) …]: gridDim.x·HALF_THREADS / cols4 rows of partial column sums,
+// which a ones-row GEMM adds up.
 __device__ __forceinline__ long long group_n4(const long long* meta, int i) { return meta[i]; }
 __device__ __forceinline__ uint2* group_dest(const long long* meta, int n, int i) {
     return reinterpret_cast<uint2*>(meta[n + i]);
@@ -41,6 +48,9 @@ __device__ __forceinline__ uint2* group_dest(const long long* meta, int n, int i
 __device__ __forceinline__ int group_slot(const long long* meta, int n, int i) { return (int)meta[2 * n + i]; }
 __device__ __forceinline__ uint2* group_lo(const long long* meta, int n, int i) {
     return reinterpret_cast<uint2*>(meta[3 * n + i]);
+}
+__device__ __forceinline__ float4* group_sums(const long long* meta, int n, int i) {
+    return reinterpret_cast<float4*>(meta[4 * n + i]);
 }
 
 __device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
@@ -94,13 +104,17 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     uint2* y = group_dest(meta, n, i);
     uint2* lo = group_lo(meta, n, i);
     const long long n4 = group_n4(meta, i);
+    float4* sums = group_sums(meta, n, i);
     float m = 0.f;
-    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
-         j += (long long)gridDim.x * HALF_THREADS) {
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
+    for (long long j = g; j < n4; j += (long long)gridDim.x * HALF_THREADS) {
         const float4 v = x[j];
         store_scaled(y, lo, j, v, s);
         m = fmaxf(m, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
     }
+    if (sums != nullptr) sums[g] = sum;  // [g / cols4][g % cols4] of float4s: the layout above
     unsigned bits = __float_as_uint(m);
     for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
     __shared__ unsigned warp_max[HALF_THREADS / 32];

@@ -76,7 +76,7 @@ def probe_conversions(shape):
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     halves = [(cupy.full(size, numpy.nan, numpy.float16), cupy.full(size, numpy.nan, numpy.float16)) for size in sizes]
     scaler = HalfScaler(len(sizes), sm_count)
-    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr)
+    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, 0, 0)
                                                   for i, (size, (hi, lo)) in enumerate(zip(sizes, halves))])
     copy(), rescale(), scaler.update_alphas()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)

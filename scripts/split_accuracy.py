@@ -41,7 +41,7 @@ def three_fp16(a, b, chunks=1):
     scaler = HalfScaler(2, sm_count)
     sources = cupy.array([a.data.ptr, b.data.ptr], numpy.uint64)
     halves = [(cupy.empty(x.shape, numpy.float16), cupy.empty(x.shape, numpy.float16)) for x in (a, b)]
-    copy, rescale = scaler.group(sources.data.ptr, [(x.size, hi.data.ptr, i, lo.data.ptr)
+    copy, rescale = scaler.group(sources.data.ptr, [(x.size, hi.data.ptr, i, lo.data.ptr, 0, 0)
                                                     for i, (x, (hi, lo)) in enumerate(zip((a, b), halves))])
     copy(), rescale(), scaler.update_alphas()
     alpha = numpy.array([numpy.prod(scaler.inverse_scales().get())], numpy.float32)  # exact: powers of two

@@ -2,7 +2,7 @@
 import numpy
 import pytest
 
-from cupy_xattn.half_scaling import HalfScaler
+from cupy_xattn.half_scaling import HalfScaler, column_sum_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -16,7 +16,7 @@ def _convert(tensors, with_lo=True, runs=1):
     table = cupy.array([x.data.ptr for x in tensors], numpy.uint64)
     halves = [(cupy.full(x.size, numpy.nan, numpy.float16), cupy.full(x.size, numpy.nan, numpy.float16) if with_lo
                else None) for x in tensors]
-    copy, rescale = scaler.group(table.data.ptr, [(x.size, hi.data.ptr, i, 0 if lo is None else lo.data.ptr)
+    copy, rescale = scaler.group(table.data.ptr, [(x.size, hi.data.ptr, i, 0 if lo is None else lo.data.ptr, 0, 0)
                                                   for i, (x, (hi, lo)) in enumerate(zip(tensors, halves))])
     for _ in range(runs):
         copy(), rescale(), scaler.update_alphas()
@@ -56,3 +56,23 @@ def test_inf_and_nan_are_copied_with_zero_remainders_and_do_not_set_the_scale():
     assert inverse[0] == 2.0 ** 3  # from max|x| = 1e5 < 2^17 over the finite elements: s = 2^(14 − 17)
     finite = numpy.isfinite(x)
     assert numpy.abs((hi + lo)[finite] * inverse[0] - x[finite]).max() <= 2.0 ** -22 * 1e5
+
+
+@pytest.mark.parametrize("shapes", [[(8192, 1024), (4928, 2048)], [(77, 1536), (3, 1024)], [(5, 64), (700, 128)]])
+def test_the_copy_pass_writes_partial_column_sums_that_add_up_to_the_column_sums(shapes):
+    import cupy
+    rng = numpy.random.default_rng(len(shapes[0]) + shapes[0][0])
+    tensors = [cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32) + 3) for shape in shapes]
+    scaler = HalfScaler(len(tensors), 132)
+    table = cupy.array([x.data.ptr for x in tensors], numpy.uint64)
+    halves = [cupy.empty(x.size, numpy.float16) for x in tensors]
+    sizes, cols = [x.size for x in tensors], [x.shape[1] for x in tensors]
+    sums = [cupy.full((rows, c), numpy.nan, numpy.float32) for rows, c in zip(column_sum_rows(sizes, cols, 132), cols)]
+    copy, _ = scaler.group(table.data.ptr, [(x.size, h.data.ptr, i, 0, s.data.ptr, x.shape[1])
+                                            for i, (x, h, s) in enumerate(zip(tensors, halves, sums))])
+    copy()
+    for x, s in zip(tensors, sums):
+        got = cupy.asnumpy(s)
+        assert not numpy.isnan(got).any()  # every partial written
+        numpy.testing.assert_allclose(got.astype(numpy.float64).sum(0), cupy.asnumpy(x).astype(numpy.float64).sum(0),
+                                      rtol=1e-5, atol=1e-3)

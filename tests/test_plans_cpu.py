@@ -136,6 +136,13 @@ def _kernel_parameter_count(filename, name):
     return len(found.group(1).split(","))
 
 
+def _fake_array(values, dtype):
+    """cupy.array: an array that keeps its values (the metadata a kernel will read)."""
+    array = FakeArray(len(values), dtype)
+    array.values = list(values)
+    return array
+
+
 @pytest.fixture
 def gpu(monkeypatch):
     """A fake CuPy, kernel loader and cuBLAS handle; returns the log of GPU work."""
@@ -171,7 +178,7 @@ def gpu(monkeypatch):
         zeros=lambda shape, dtype=numpy.float32: FakeArray(shape, dtype),
         ones=lambda shape, dtype=numpy.float32: FakeArray(shape, dtype),
         full=lambda shape, value, dtype=numpy.float32: FakeArray(shape, dtype),
-        array=lambda values, dtype: FakeArray(len(values), dtype))
+        array=_fake_array)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     runtime_module = types.ModuleType("cupy_backends.cuda.api.runtime")
     runtime_module.CUDARuntimeError = FakeRuntimeError
@@ -530,8 +537,8 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
         assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
 
 
-def _recorded_tf32_program(gpu, monkeypatch, tn_min_rows):
-    """A tf32 Backward of B, Nv, Nt, D = 2, 70, 20, 128 recorded with _TN_MIN_ROWS = ``tn_min_rows``,
+def _recorded_program(gpu, monkeypatch, tn_min_rows, precision="tf32"):
+    """A Backward of B, Nv, Nt, D = 2, 70, 20, 128 recorded with _TN_MIN_ROWS = ``tn_min_rows``,
     its lane log of one run, lane pointers and cuBLAS calls."""
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
@@ -543,7 +550,7 @@ def _recorded_tf32_program(gpu, monkeypatch, tn_min_rows):
             super().gemm_batched(*args)
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
     monkeypatch.setattr(backward, "_TN_MIN_ROWS", tn_min_rows)
-    program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), "tf32", gpu.null, 132)
+    program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, gpu.null, 132)
     return program, *_lane_run(gpu, program), calls
 
 
@@ -563,7 +570,7 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
     from cupy_xattn.attention_bwd import o_t_stride
     from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     b, nv, nt, d = 2, 70, 20, 128
-    program, entries, (main, side1, side2), calls = _recorded_tf32_program(gpu, monkeypatch, b * nt)
+    program, entries, (main, side1, side2), calls = _recorded_program(gpu, monkeypatch, b * nt)
     products = [args for args in calls if args[-1] == COMPUTE_32F_FAST_TF32]
     assert len(products) == 7 and all(args[:2] == (OP_T, OP_N) for args in products)  # row-major a · b^T
 
@@ -573,7 +580,8 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
     x_t, dy_t, dq_t = (video + 4 * i * d * ldv for i in range(3))
     t_t, dk_t, dv_t = (text + 4 * i * d * ldt for i in range(3))
     assert _weight_grad_operands(program, products, d) == {
-        ("grad_output_weight", "grad_query_weight"): (ldv, ldv, ldv, OP_T, OP_N, [dy_t, dq_t], [program._o.data.ptr, x_t]),
+        ("grad_output_weight", "grad_query_weight"): (ldv, ldv, ldv, OP_T, OP_N, [dy_t, dq_t],
+                                                      [program._o.data.ptr, x_t]),
         ("grad_key_weight", "grad_value_weight"): (ldt, ldt, ldt, OP_T, OP_N, [dk_t, dv_t], [t_t, t_t])}
 
     # The bias gradients: ones-row GEMMs over the column sums by blocks of 64 rows that the transposes
@@ -604,7 +612,7 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
 def test_tf32_weight_gradients_over_few_rows_read_the_row_major_operands(gpu, monkeypatch):
     from cupy_xattn.gemm import OP_N, OP_T
     b, nv, nt, d = 2, 70, 20, 128
-    program, entries, _, calls = _recorded_tf32_program(gpu, monkeypatch, b * nv + 1)
+    program, entries, _, calls = _recorded_program(gpu, monkeypatch, b * nv + 1)
     assert program._video_t is None and program._text_t is None and program._o.shape == (b * nv, d)  # row-major O
     dkv, o = program._dkv.data.ptr, program._o.data.ptr
     assert _weight_grad_operands(program, calls, d) == {  # dWo = dY^T O, dWq = dQ^T X; dWk, dWv = dK^T T, dV^T T
@@ -614,6 +622,28 @@ def test_tf32_weight_gradients_over_few_rows_read_the_row_major_operands(gpu, mo
                                                    ["text_embeddings"] * 2)}
     assert [e[2] for e in entries if e[:2] == ("kernel", "transposed_copies")] == [program._lanes[1].ptr,
                                                                                  program._lanes[2].ptr]  # W^T only
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias_gradients(gpu, monkeypatch, precision):
+    from cupy_xattn.half_scaling import column_sum_rows
+    d = 128
+    program, _, _, calls = _recorded_program(gpu, monkeypatch, 0, precision)
+    dy, dq, dkv = program._column_sums  # dY's from before the attention, dQ's and [dK | dV]'s after it
+    assert [a.shape for a in (dy, dq, dkv)] == [
+        (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d], [d], 132)[0], d),
+        *zip(column_sum_rows([140 * d, 140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
+    named, table = program._table._entries, program._table.device.data.ptr
+    sums = sorted((named[(args[6] - table) // 8:(args[6] - table) // 8 + args[16]], args[4], args[8])
+                  for args in calls if args[3] == 1)  # cuBLAS's n = 1: the ones row
+    expected = [([dkv.data.ptr, dkv.data.ptr + 4 * d], dkv.shape[0], 2 * d)]
+    if dy.shape == dq.shape:
+        expected.append(([dy.data.ptr, dq.data.ptr], dy.shape[0], d))
+    else:
+        expected += [([dy.data.ptr], dy.shape[0], d), ([dq.data.ptr], dq.shape[0], d)]
+    assert sums == sorted(expected)
+    stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
+    assert stage_a[4 * 7:] == [0] * 6 + [dy.data.ptr] and stage_b[4 * 3:] == [0, dq.data.ptr, dkv.data.ptr]
 
 
 def test_transposed_copies_that_would_overlap_are_refused(gpu):
