@@ -22,7 +22,7 @@ import numpy
 import sanitize
 from cupy_xattn import attention_bwd, attention_fwd, gemm
 from cupy_xattn.checks import Problem
-from cupy_xattn.half_scaling import HalfScaler
+from cupy_xattn.half_scaling import HalfScaler, column_sum_rows
 from cupy_xattn.transpose import Transposed
 
 
@@ -65,8 +65,9 @@ def probe_attention(shape, precision):
 
 
 def probe_conversions(shape):
-    """fp16 copies and remainders of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV]; the tf32
-    mode's transposes of the weights (side by side), of X and of [dK | dV] (rows padded as there)."""
+    """fp16 copies and remainders of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV], with the
+    partial column sums of dY, dQ and [dK | dV]; the tf32 mode's transposes of the weights (side by
+    side), of X and dY and of [dK | dV] (rows padded as there), with column sums of dY and [dK | dV]."""
     case, d, _ = sanitize.parse(shape)
     mv, mt = case.batch_size * case.num_video_tokens, case.batch_size * case.num_text_tokens
     sizes = [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
@@ -76,18 +77,26 @@ def probe_conversions(shape):
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     halves = [(cupy.full(size, numpy.nan, numpy.float16), cupy.full(size, numpy.nan, numpy.float16)) for size in sizes]
     scaler = HalfScaler(len(sizes), sm_count)
-    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, 0, 0)
-                                                  for i, (size, (hi, lo)) in enumerate(zip(sizes, halves))])
+    row_lengths = [0] * 6 + [d, 0, d, 2 * d]  # column sums of dY, dQ, [dK | dV]
+    sum_rows = iter(column_sum_rows(sizes, [c for c in row_lengths if c], sm_count))
+    sums = [cupy.full((next(sum_rows), c), numpy.nan, numpy.float32) if c else None for c in row_lengths]
+    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, s.data.ptr if c else 0, c)
+                                                  for i, (size, (hi, lo), s, c)
+                                                  in enumerate(zip(sizes, halves, sums, row_lengths))])
     copy(), rescale(), scaler.update_alphas()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
     x_t = cupy.full((2, d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)  # X^T, dY^T apart
     dkv_t = cupy.full((2 * d, attention_bwd.o_t_stride(mt)), numpy.nan, numpy.float32)
     Transposed(table.data.ptr + 8 * 2, 4, weights_t.data.ptr, d, d)()
     video = cupy.array([sources[0].data.ptr, sources[6].data.ptr], numpy.uint64)
-    Transposed(video.data.ptr, 2, x_t.data.ptr, mv, d, ld=x_t.shape[2], dst_step=d * x_t.shape[2])()
-    Transposed(table.data.ptr + 8 * 9, 1, dkv_t.data.ptr, mt, 2 * d, ld=dkv_t.shape[1])()
+    dy_t_sums = cupy.full((Transposed.row_tiles(mv), d), numpy.nan, numpy.float32)
+    dkv_t_sums = cupy.full((Transposed.row_tiles(mt), 2 * d), numpy.nan, numpy.float32)
+    Transposed(video.data.ptr, 2, x_t.data.ptr, mv, d, ld=x_t.shape[2], dst_step=d * x_t.shape[2],
+               sums=dy_t_sums.data.ptr, sum_from=1)()
+    Transposed(table.data.ptr + 8 * 9, 1, dkv_t.data.ptr, mt, 2 * d, ld=dkv_t.shape[1], sums=dkv_t_sums.data.ptr)()
     finite = all(bool(cupy.isfinite(x).all())
-                 for x in [*(x for pair in halves for x in pair), weights_t, x_t[:, :, :mv], dkv_t[:, :mt]])
+                 for x in [*(x for pair in halves for x in pair), *(s for s in sums if s is not None), weights_t,
+                           x_t[:, :, :mv], dkv_t[:, :mt], dy_t_sums, dkv_t_sums])
     print(f"conversions {shape}: outputs finite: {finite}", flush=True)
     if not finite:
         raise SystemExit(1)
