@@ -95,7 +95,9 @@ class AttentionBackward:
     def workspace_bytes(problem, precision, sm_count):
         """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one)."""
         n_chunks = launch_layout(problem, precision, sm_count)[5]
-        return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size if n_chunks > 1 else 0
+        if n_chunks == 1:
+            return 0
+        return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size
 
     def __init__(self, problem, precision, sm_count, o_transposed=False):
         cupy = import_cupy()

@@ -207,8 +207,8 @@ def main(argv=None):
         with open(path) as stream:
             result = json.load(stream)
         settings = result["meta"].get("settings") or {}
-        parts.append(render(result) if i == 0 else render(
-            result, f"Benchmarks, D={settings.get('hidden_size')}, H={settings.get('num_heads')} ({os.path.basename(path)})"))
+        title = f"Benchmarks, D={settings.get('hidden_size')}, H={settings.get('num_heads')} ({os.path.basename(path)})"
+        parts.append(render(result) if i == 0 else render(result, title))
     text = "\n\n".join(parts)
     if args.output:
         with open(args.output, "w") as stream:
