@@ -5,12 +5,13 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
     Q0 = X Wq^T            [K0 | V0] = T [Wk | Wv]^T (one batched GEMM)     dO = dY Wo
     attention kernel → O, dQ, dKV = [dK | dV]                  (biases bq, bk, bv added inside)
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
-    dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row)
+    dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row,
+                                                 mostly over partial sums that other kernels write)
 
-In the tf32 mode every GEMM reads both operands K-major, what sm_90's TF32 tensor cores read at
-full speed (``transpose.py``): dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv], and
-the weight gradients read dY^T, O^T (written so by the attention kernel), dQ^T, X^T, [dK | dV]^T
-and T^T, as dWo = dY^T (O^T)^T and so on.
+In the tf32 mode the projections read both operands K-major, what sm_90's TF32 tensor cores read
+at full speed (``transpose.py``): dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv],
+and the weight-gradient pairs over enough rows (``_weight_grads_tn``) read dY^T, O^T (written so
+by the attention kernel), dQ^T, X^T, [dK | dV]^T and T^T, as dWo = dY^T (O^T)^T and so on.
 
 Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operands copied to fp16
 with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
@@ -20,9 +21,9 @@ Nothing uses atomics whose order varies: two calls give bitwise-identical result
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
-dX then dWo|dWq, dT then dWk|dWv, and the bias sums (tf32: dX and the bias sums; dQ^T then
-dWo|dWq; dT, [dK | dV]^T then dWk|dWv, with the transposes of the inputs made beside the
-attention). On the small shapes one GEMM fills a fraction of the SMs, so the lanes overlap what
+dX then dWo|dWq, dT then dWk|dWv, and the bias sums (tf32: dX; dQ^T, dbo|dbq then dWo|dWq;
+dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs made beside the
+attention; a pair without transposes has its bias sums on the main lane). On the small shapes one GEMM fills a fraction of the SMs, so the lanes overlap what
 would otherwise run one after the other.
 
 A :class:`Backward` is built once per (problem size, precision, stream): it owns every
@@ -230,7 +231,7 @@ class Backward:
         X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
                                            for start in numpy.cumsum([0] + sizes[:-1]).tolist())
         WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
-        # (source entry, element count, fp16 destination, scale slot, row length of its column sums or 0)
+        # (source entry, fp16 destination, scale slot, row length of its column sums or 0)
         stage_a = [("video_latents", X, _X, 0), ("text_embeddings", T, _T, 0), ("query_weight", WQ, _WQ, 0),
                    ("key_weight", WK, _WKV, 0), ("value_weight", WV, _WKV, 0), ("output_weight", WO, _WO, 0),
                    ("grad_output", DY, _DY, d)]
@@ -370,7 +371,9 @@ class Backward:
     def _record_conversions(self, tensors, sizes):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot, cols)] of
         ``sizes`` elements (fp32: and their remainders, at ``_lo_offset`` from each copy), with the
-        partial column sums of those given a row length ``cols``: [(address, rows)] of those, in order."""
+        partial column sums of those given a row length ``cols``: [(address, rows)] of those, in order,
+        where rows counts only the partial rows that can hold data (at most the tensor's rows: the
+        rest are zeros, and the ones row that adds them up is only max(B·Nv, B·Nt) long)."""
         cupy = import_cupy()
         first = self._table.add(*(source for source, *_ in tensors))
         lo = self._lo_offset
@@ -385,7 +388,8 @@ class Backward:
                                             for size, (_, dest, slot, cols) in zip(sizes, tensors)])
         self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0),
                         ("fp16 alphas", self._scaler.update_alphas, 0)]
-        return [(s.data.ptr, s.shape[0]) for s in sums]
+        summed_rows = [size // cols for size, (*_, cols) in zip(sizes, tensors) if cols]
+        return [(s.data.ptr, min(s.shape[0], rows)) for s, rows in zip(sums, summed_rows)]
 
     # -- running -----------------------------------------------------------------------------
 

@@ -16,10 +16,8 @@ def _blocks(sizes, sum_cols, sm_count):
     so that blocks · threads is a multiple of cols / 4 for each row length in ``sum_cols`` (the
     tensors given column sums: see half_scaling.cu)."""
     blocks = max(1, min(-(-max(sizes) // 4 // _THREADS), 2 * sm_count))
-    for cols in sum_cols:
-        step = cols // 4 // math.gcd(cols // 4, _THREADS)
-        blocks = -(-blocks // step) * step
-    return blocks
+    step = math.lcm(1, *(cols // 4 // math.gcd(cols // 4, _THREADS) for cols in sum_cols))
+    return -(-blocks // step) * step
 
 
 def column_sum_rows(sizes, sum_cols, sm_count):
@@ -70,8 +68,9 @@ class HalfScaler:
             [column_sum_rows(...)][cols], whose sum over rows is the column sums.
         """
         cupy = import_cupy()
-        if any(size % 4 or (sums and (cols % 4 or size % cols)) for size, _, _, _, sums, cols in tensors):
-            raise ValueError("half conversion needs sizes and row lengths that are multiples of 4")
+        if any(size % 4 or (sums and (cols <= 0 or cols % 4 or size % cols)) for size, _, _, _, sums, cols in tensors):
+            raise ValueError("half conversion needs sizes that are multiples of 4, and for column sums, row "
+                             "lengths that are positive multiples of 4 dividing the size")
         n = len(tensors)
         size, dest, slot, lo, sums, cols = zip(*tensors)
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums), numpy.int64)

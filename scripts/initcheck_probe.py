@@ -15,6 +15,7 @@ scripts/initcheck_probe.py kernels 1x100x93``:
                code never wrote. scripts/sanitize.sh runs racecheck on this probe too.
 """
 import argparse
+import itertools
 
 import cupy
 import numpy
@@ -47,12 +48,14 @@ def probe_attention(shape, precision):
     table = cupy.array([x.data.ptr for x in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     problem = Problem(b, nv, nt, hidden, heads, hidden // heads, (hidden // heads) ** -0.5)
-    # As the backward runs it: tf32 writes O^T (D rows of stride o_t_stride(B·Nv), the first B·Nv columns).
-    o_transposed = precision == "tf32"
-    backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed)
-    o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
+    # As the backward runs it: tf32 writes O^T (D rows of stride o_t_stride(B·Nv), the first B·Nv
+    # columns) from 1024 video rows, O below; both here, whatever the shape.
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
-    for lengths in (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt)):
+    for o_transposed, lengths in itertools.product(
+            (False, True) if precision == "tf32" else (False,),
+            (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
+        backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed)
+        o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
         lengths = cupy.asarray(lengths)
         o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
                          for shape in (o_shape, q0.shape, kv0.shape, q0.shape))  # poisoned

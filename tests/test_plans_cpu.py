@@ -458,7 +458,7 @@ def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(g
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32", "fp16"])
-@pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200), (4, 300, 300)])
+@pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200), (4, 257, 300)])
 def test_memory_estimate_matches_what_a_recording_allocates(gpu, monkeypatch, shape, precision):
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
@@ -470,7 +470,8 @@ def test_memory_estimate_matches_what_a_recording_allocates(gpu, monkeypatch, sh
     monkeypatch.setattr(sys.modules[__name__], "_alloc", counting_alloc)
     problem = Problem(*shape, 256, 4, 64, 0.125)
     backward.Backward(problem, precision, gpu.null, 132)
-    # The estimate leaves out buffers of a few KB (pointer table, constants, fp16 scale state).
+    # The estimate leaves out buffers of a few KB (pointer table, constants, fp16 scale state); 4x257x300's
+    # tf32 O^T padding alone is 28 KB.
     assert abs(backward.Backward.memory_bytes(problem, precision, 132) - sum(allocated)) <= 16 << 10
 
 
@@ -636,14 +637,44 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     named, table = program._table._entries, program._table.device.data.ptr
     sums = sorted((named[(args[6] - table) // 8:(args[6] - table) // 8 + args[16]], args[4], args[8])
                   for args in calls if args[3] == 1)  # cuBLAS's n = 1: the ones row
-    expected = [([dkv.data.ptr, dkv.data.ptr + 4 * d], dkv.shape[0], 2 * d)]
-    if dy.shape == dq.shape:
-        expected.append(([dy.data.ptr, dq.data.ptr], dy.shape[0], d))
+    # Partial rows past the tensor's rows hold no data: the sums run over at most B·Nv (B·Nt) of them.
+    rows_dy, rows_dq, rows_kv = min(dy.shape[0], 140), min(dq.shape[0], 140), min(dkv.shape[0], 40)
+    expected = [([dkv.data.ptr, dkv.data.ptr + 4 * d], rows_kv, 2 * d)]
+    if rows_dy == rows_dq:
+        expected.append(([dy.data.ptr, dq.data.ptr], rows_dy, d))
     else:
-        expected += [([dy.data.ptr], dy.shape[0], d), ([dq.data.ptr], dq.shape[0], d)]
+        expected += [([dy.data.ptr], rows_dy, d), ([dq.data.ptr], rows_dq, d)]
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
     assert stage_a[4 * 7:] == [0] * 6 + [dy.data.ptr] and stage_b[4 * 3:] == [0, dq.data.ptr, dkv.data.ptr]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(2, 70, 20), (2, 64, 77), (3, 33, 31), (8, 300, 77), (4, 257, 300)])
+def test_every_ones_row_gemm_stays_within_the_ones_row(gpu, monkeypatch, precision, shape):
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    calls = []
+
+    class RecordingHandle(backward._cublas.Handle):
+        def gemm_batched(self, *args):
+            calls.append(args)
+            super().gemm_batched(*args)
+    monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
+    d = 1024 if shape[:2] in ((2, 64), (3, 33)) else 256  # D = 1024: the copy grids' 264 partial rows
+    program = backward.Backward(Problem(*shape, d, d // 64, 64, 0.125), precision, gpu.null, 132)
+    program.run()
+    sums = [args for args in calls if args[3] == 1]  # cuBLAS's n = 1: the ones row, K long
+    assert len(sums) >= 2 and all(args[4] <= program._ones.size for args in sums)
+
+
+def test_column_sum_grids_keep_every_thread_on_its_columns():
+    from cupy_xattn.half_scaling import _THREADS, _blocks, column_sum_rows
+    for sizes, sum_cols in (([12 * 60, 20 * 60], [12, 20]), ([192 * 1000, 320 * 1000], [192, 320]),
+                            ([1024 * 8192] * 3, [1024, 1024, 2048]), ([1536 * 77], [1536])):
+        blocks = _blocks(sizes, sum_cols, 132)
+        assert all(blocks * _THREADS % (cols // 4) == 0 for cols in sum_cols), (sum_cols, blocks)
+        assert column_sum_rows(sizes, sum_cols, 132) == [4 * blocks * _THREADS // cols for cols in sum_cols]
 
 
 def test_transposed_copies_that_would_overlap_are_refused(gpu):
