@@ -646,6 +646,16 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     assert stage_a[4 * 7:] == [0] * 6 + [dy.data.ptr] and stage_b[4 * 3:] == [0, dq.data.ptr, dkv.data.ptr]
 
 
+@pytest.mark.parametrize("mv, mt, expected", [(8192, 4928, (True, True)), (4096, 616, (True, True)),
+                                               (2048, 308, (True, True)), (2048, 154, (True, False)),
+                                               (1024, 1172, (True, True)), (512, 422, (False, False)),
+                                               (512, 1200, (False, True)), (512, 77, (False, False))])
+def test_tf32_weight_gradient_pairs_read_transposes_by_the_measured_rule(mv, mt, expected):
+    from cupy_xattn.backward import _weight_grads_tn
+    assert _weight_grads_tn("tf32", mv, mt) == expected
+    assert _weight_grads_tn("fp16", mv, mt) == _weight_grads_tn("fp32", mv, mt) == (False, False)
+
+
 def test_transposed_copies_that_would_overlap_are_refused(gpu):
     from cupy_xattn.transpose import Transposed
     Transposed(0, 3, 0, 10, 4, ld=30, dst_step=10)  # side by side
