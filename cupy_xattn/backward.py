@@ -50,12 +50,17 @@ _H2D = 1
 _LANES = 3  # the main stream and two forked streams
 _DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B·Nt (see _record)
 _TN_MIN_ROWS = 1024  # tf32 weight gradients over at least this many rows B·N read transposes (_record_tf32)
+_TN_MIN_TEXT_ROWS = 256  # ... and [dWk | dWv] from this many B·Nt, when [dWo | dWq] read transposes
 
 
-def _weight_grads_tn(precision, rows):
-    """Whether the tf32 weight gradients over ``rows`` = B·N rows read transposed operands ("tn"):
-    below _TN_MIN_ROWS, cuBLAS's "nt" product was as fast as the transposes plus the "tn" one."""
-    return precision == "tf32" and rows >= _TN_MIN_ROWS
+def _weight_grads_tn(precision, mv, mt):
+    """Whether tf32's [dWo | dWq] (over mv = B·Nv rows) and [dWk | dWv] (over mt = B·Nt rows) read
+    transposed operands ("tn"). Measured on the H200: below _TN_MIN_ROWS rows cuBLAS's "nt" product
+    was as fast as the transposes plus the "tn" one; text pairs from 256 rows gained 10–14 µs when the
+    video pair was "tn" (B = 8 Nv = 512, B = 4 Nv = 512 and 853 with Nt = 77) and lost 33 µs when
+    it was not (B = 2, Nv = 256, Nt = 211)."""
+    video = precision == "tf32" and mv >= _TN_MIN_ROWS
+    return video, video and mt >= _TN_MIN_TEXT_ROWS or precision == "tf32" and mt >= _TN_MIN_ROWS
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
@@ -130,7 +135,7 @@ class Backward:
         f32 = lambda *shape: cupy.empty(shape, numpy.float32)  # noqa: E731
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
-        video_tn = _weight_grads_tn(precision, mv)
+        video_tn = _weight_grads_tn(precision, mv, mt)[0]
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         self._o = cupy.zeros((d, o_t_stride(mv)), numpy.float32) if video_tn else f32(mv, d)
@@ -172,9 +177,10 @@ class Backward:
         # dY, dQ; T^T, [dK | dV]^T and the column sums of [dK | dV]
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
         tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
+        video_tn, text_tn = _weight_grads_tn(precision, mv, mt)
         transposed = 4 * ((4 * d * d if precision == "tf32" else 0)
-                          + (d * (ldv - mv) + 3 * d * ldv + 2 * tiles_v * d if _weight_grads_tn(precision, mv) else 0)
-                          + (3 * d * ldt + tiles_t * 2 * d if _weight_grads_tn(precision, mt) else 0))
+                          + (d * (ldv - mv) + 3 * d * ldv + 2 * tiles_v * d if video_tn else 0)
+                          + (3 * d * ldt + tiles_t * 2 * d if text_tn else 0))
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -275,7 +281,7 @@ class Backward:
     def _record_tf32(self, mv, mt, d, addr):
         """The tf32 schedule: GEMMs read both operands K-major where it pays (transpose.cu says why).
 
-        W^T copies for dO, dX and dT. The weight gradients over at least _TN_MIN_ROWS rows read
+        W^T copies for dO, dX and dT. The weight-gradient pairs that _weight_grads_tn picks read
         the transposes of both operands: O^T from the attention kernel, X^T, dY^T and T^T made
         beside the attention (they read inputs only), dQ^T and [dK | dV]^T after it, each on the
         lane of the GEMM that reads it. Their K runs over the padded length (a multiple of 32,
@@ -285,7 +291,7 @@ class Backward:
         tensors themselves.
         """
         cupy = import_cupy()
-        video_tn, text_tn = _weight_grads_tn("tf32", mv), _weight_grads_tn("tf32", mt)
+        video_tn, text_tn = _weight_grads_tn("tf32", mv, mt)
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
         self._wo_t, self._wqkv_t = (cupy.empty(shape, numpy.float32) for shape in ((d, d), (d, 3 * d)))
         self._video_t = cupy.zeros((3, d, ldv), numpy.float32) if video_tn else None  # X^T, dY^T, dQ^T

@@ -675,6 +675,14 @@ def test_column_sum_grids_keep_every_thread_on_its_columns():
         blocks = _blocks(sizes, sum_cols, 132)
         assert all(blocks * _THREADS % (cols // 4) == 0 for cols in sum_cols), (sum_cols, blocks)
         assert column_sum_rows(sizes, sum_cols, 132) == [4 * blocks * _THREADS // cols for cols in sum_cols]
+@pytest.mark.parametrize("mv, mt, expected", [(8192, 4928, (True, True)), (4096, 616, (True, True)),
+                                               (2048, 308, (True, True)), (2048, 154, (True, False)),
+                                               (1024, 1172, (True, True)), (512, 422, (False, False)),
+                                               (512, 1200, (False, True)), (512, 77, (False, False))])
+def test_tf32_weight_gradient_pairs_read_transposes_by_the_measured_rule(mv, mt, expected):
+    from cupy_xattn.backward import _weight_grads_tn
+    assert _weight_grads_tn("tf32", mv, mt) == expected
+    assert _weight_grads_tn("fp16", mv, mt) == _weight_grads_tn("fp32", mv, mt) == (False, False)
 
 
 def test_transposed_copies_that_would_overlap_are_refused(gpu):
