@@ -538,11 +538,9 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
         assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
 
 
-def _recorded_program(gpu, monkeypatch, tn_min_rows, precision="tf32"):
-    """A Backward of B, Nv, Nt, D = 2, 70, 20, 128 recorded with _TN_MIN_ROWS = ``tn_min_rows``,
-    its lane log of one run, lane pointers and cuBLAS calls."""
+def _recording_cublas(monkeypatch):
+    """The list that the arguments of every cuBLAS batched GEMM call will be appended to."""
     from cupy_xattn import backward
-    from cupy_xattn.checks import Problem
     calls = []
 
     class RecordingHandle(backward._cublas.Handle):
@@ -550,6 +548,15 @@ def _recorded_program(gpu, monkeypatch, tn_min_rows, precision="tf32"):
             calls.append(args)
             super().gemm_batched(*args)
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
+    return calls
+
+
+def _recorded_program(gpu, monkeypatch, tn_min_rows, precision="tf32"):
+    """A Backward of B, Nv, Nt, D = 2, 70, 20, 128 recorded with _TN_MIN_ROWS = ``tn_min_rows``,
+    its lane log of one run, lane pointers and cuBLAS calls."""
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    calls = _recording_cublas(monkeypatch)
     monkeypatch.setattr(backward, "_TN_MIN_ROWS", tn_min_rows)
     program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, gpu.null, 132)
     return program, *_lane_run(gpu, program), calls
@@ -654,13 +661,7 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
 def test_every_ones_row_gemm_stays_within_the_ones_row(gpu, monkeypatch, precision, shape):
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
-    calls = []
-
-    class RecordingHandle(backward._cublas.Handle):
-        def gemm_batched(self, *args):
-            calls.append(args)
-            super().gemm_batched(*args)
-    monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
+    calls = _recording_cublas(monkeypatch)
     d = 1024 if shape[:2] in ((2, 64), (3, 33)) else 256  # D = 1024: the copy grids' 264 partial rows
     program = backward.Backward(Problem(*shape, d, d // 64, 64, 0.125), precision, gpu.null, 132)
     program.run()
