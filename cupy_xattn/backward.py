@@ -23,8 +23,9 @@ Independent GEMMs run side by side on three lanes (the main stream and two forke
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
 dX then dWo|dWq, dT then dWk|dWv, and the bias sums (tf32: dX; dQ^T, dbo|dbq then dWo|dWq;
 dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs made beside the
-attention; a pair without transposes has its bias sums on the main lane). On the small shapes one GEMM fills a fraction of the SMs, so the lanes overlap what
-would otherwise run one after the other.
+attention; a pair without transposes has its bias sums on the main lane). On the small shapes
+one GEMM fills a fraction of the SMs, so the lanes overlap what would otherwise run one after the
+other.
 
 A :class:`Backward` is built once per (problem size, precision, stream): it owns every
 intermediate buffer, its lanes and their cuBLAS handles, and records its launches as a list of steps. The
@@ -170,9 +171,8 @@ class Backward:
         fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
-            sizes_a, sizes_b = _conversion_sizes(mv, mt, d)
-            fp16 += 4 * sum(rows * cols for group, sum_cols in ((sizes_a, [d]), (sizes_b, [d, 2 * d]))
-                            for rows, cols in zip(column_sum_rows(group, sum_cols, sm_count), sum_cols))
+            fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
+                            for rows, cols in _column_sum_shapes(stage, sm_count))
         # tf32: Wo^T, [Wq^T | Wk^T | Wv^T]; "tn": O^T's padding, X^T, dY^T, dQ^T and the column sums of
         # dY, dQ; T^T, [dK | dV]^T and the column sums of [dK | dV]
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
@@ -237,13 +237,13 @@ class Backward:
         X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
                                            for start in numpy.cumsum([0] + sizes[:-1]).tolist())
         WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
-        # (source entry, fp16 destination, scale slot, row length of its column sums or 0)
-        stage_a = [("video_latents", X, _X, 0), ("text_embeddings", T, _T, 0), ("query_weight", WQ, _WQ, 0),
-                   ("key_weight", WK, _WKV, 0), ("value_weight", WV, _WKV, 0), ("output_weight", WO, _WO, 0),
-                   ("grad_output", DY, _DY, d)]
-        stage_b = [(addr(self._o), O, _O, 0), (addr(self._dq), DQ, _DQ, d), (addr(self._dkv), DK, _DKV, 2 * d)]
-        sizes_a, sizes_b = _conversion_sizes(mv, mt, d)
-        (dy_sums, rows_a), = self._record_conversions(stage_a, sizes_a)
+        # (source entry, fp16 destination, scale slot), in the order of _conversion_shapes
+        stage_a = [("video_latents", X, _X), ("text_embeddings", T, _T), ("query_weight", WQ, _WQ),
+                   ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
+                   ("grad_output", DY, _DY)]
+        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), (addr(self._dkv), DK, _DKV)]
+        shapes_a, shapes_b = _conversion_shapes(mv, mt, d)
+        (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
 
@@ -256,7 +256,7 @@ class Backward:
              **half)
         self._join()
         self._record_attention()
-        (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, sizes_b)
+        (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
         self._fork()
         gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ), **half)
@@ -374,27 +374,26 @@ class Backward:
         self._gemm([self._ones.data.ptr] * len(sources), sources, outputs, m=1, n=d, k=rows, lda=rows, ldb=ld, ldc=d,
                    data_type=_R_32F, compute=_COMPUTE_32F, lane=lane)
 
-    def _record_conversions(self, tensors, sizes):
-        """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot, cols)] of
-        ``sizes`` elements (fp32: and their remainders, at ``_lo_offset`` from each copy), with the
-        partial column sums of those given a row length ``cols``: [(address, rows)] of those, in order,
-        where rows counts only the partial rows that can hold data (at most the tensor's rows: the
-        rest are zeros, and the ones row that adds them up is only max(B·Nv, B·Nt) long)."""
+    def _record_conversions(self, tensors, shapes):
+        """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot)] of
+        ``shapes`` [(elements, cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy),
+        with the partial column sums of those given a row length ``cols``: [(address, rows)] of
+        those, in order, where rows counts only the partial rows that can hold data (at most the
+        tensor's rows: the rest are zeros, and the ones row that adds them up is only
+        max(B·Nv, B·Nt) long)."""
         cupy = import_cupy()
         first = self._table.add(*(source for source, *_ in tensors))
         lo = self._lo_offset
-        sum_cols = [cols for *_, cols in tensors if cols]
-        sums = [cupy.empty((rows, cols), numpy.float32) for rows, cols in
-                zip(column_sum_rows(sizes, sum_cols, self._sm_count), sum_cols)]
+        sums = [cupy.empty(shape, numpy.float32) for shape in _column_sum_shapes(shapes, self._sm_count)]
         self._column_sums += sums
         addresses = iter(s.data.ptr for s in sums)
         copy, rescale = self._scaler.group(self._table.address(first),
                                            [(size, dest, slot, 0 if lo is None else dest + lo,
                                              next(addresses) if cols else 0, cols)
-                                            for size, (_, dest, slot, cols) in zip(sizes, tensors)])
+                                            for (size, cols), (_, dest, slot) in zip(shapes, tensors)])
         self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0),
                         ("fp16 alphas", self._scaler.update_alphas, 0)]
-        summed_rows = [size // cols for size, (*_, cols) in zip(sizes, tensors) if cols]
+        summed_rows = [size // cols for size, cols in shapes if cols]
         return [(s.data.ptr, min(s.shape[0], rows)) for s, rows in zip(sums, summed_rows)]
 
     # -- running -----------------------------------------------------------------------------
@@ -432,10 +431,20 @@ class Backward:
             raise
 
 
-def _conversion_sizes(mv, mt, d):
-    """Element counts of the tensors converted to fp16 before the attention (X, T, Wq, Wk, Wv, Wo, dY)
-    and after it (O, dQ, [dK | dV])."""
-    return [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d], [mv * d, mv * d, 2 * mt * d]
+def _conversion_shapes(mv, mt, d):
+    """(element count, row length of its column sums or 0) of the tensors converted to fp16 before
+    the attention (X, T, Wq, Wk, Wv, Wo, dY) and after it (O, dQ, [dK | dV]): the bias gradients
+    are the column sums of dY, dQ and [dK | dV]."""
+    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)],
+            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)])
+
+
+def _column_sum_shapes(shapes, sm_count):
+    """Shapes of the partial column sums that one conversion group of ``shapes`` writes, one per
+    tensor with a row length (see half_scaling.column_sum_rows)."""
+    sizes = [size for size, _ in shapes]
+    sum_cols = [cols for _, cols in shapes if cols]
+    return list(zip(column_sum_rows(sizes, sum_cols, sm_count), sum_cols))
 
 
 def _half_elements(mv, mt, d):

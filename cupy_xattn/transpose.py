@@ -31,10 +31,10 @@ class Transposed:
         if ld < rows or (n > 1 and not apart and (dst_step < rows or (n - 1) * dst_step + rows > ld)):
             raise ValueError(f"transposed copies overlap: n {n}, rows {rows}, cols {cols}, ld {ld}, "
                              f"dst_step {dst_step}")
-        vec = 4 if cols % 4 == ld % 4 == dst_step % 4 == 0 else 1
-        self._kernel = kernels.get_kernel(SOURCE, "transposed_copies", {"TR_VEC": vec})
         if not 0 <= sum_from < n:
             raise ValueError(f"sum_from {sum_from} is not one of the {n} matrices")
+        vec = 4 if cols % 4 == ld % 4 == dst_step % 4 == 0 else 1
+        self._kernel = kernels.get_kernel(SOURCE, "transposed_copies", {"TR_VEC": vec})
         self._grid = (self.row_tiles(rows), -(-cols // _TILE), n)
         self._args = (numpy.uint64(sources_address), numpy.uint64(dst), numpy.int64(dst_step), numpy.int32(rows),
                       numpy.int32(cols), numpy.int64(ld), numpy.uint64(sums), numpy.int32(sum_from))
