@@ -265,12 +265,11 @@ def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, s
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
     program = backward.Backward(Problem(*shape, 128, 2, 64, 0.125), "fp32", gpu.null, 132)
     program.run()
-    table, entries = program._table.device.data.ptr, program._table._entries
     lo_offset, one = program._lo_offset, program._constants.data.ptr + 4
     copies = program._halves.data.ptr  # the fp16 copies; their remainders from lo_offset on
 
     def operands(address, batch):
-        return entries[(address - table) // 8:(address - table) // 8 + batch]
+        return _table_entries(program, address, batch)
 
     products = [(lane, args) for lane, args in calls if args[7] == R_16F]
     assert len(products) == 24  # 8 products (dWo and dWq apart: alphas differ), three GEMMs each
@@ -538,6 +537,12 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
         assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
 
 
+def _table_entries(program, address, count):
+    """The ``count`` pointer-table entries (names, or addresses) a cuBLAS pointer array at ``address`` holds."""
+    first = (address - program._table.device.data.ptr) // 8
+    return program._table._entries[first:first + count]
+
+
 def _recording_cublas(monkeypatch):
     """The list that the arguments of every cuBLAS batched GEMM call will be appended to."""
     from cupy_xattn import backward
@@ -565,10 +570,8 @@ def _recorded_program(gpu, monkeypatch, tn_min_rows, precision="tf32"):
 def _weight_grad_operands(program, calls, d):
     """{C entries: (K, lda, ldb, cuBLAS transa, transb, a entries, b entries)} of the batched
     weight-gradient GEMMs (row-major c = op(a) op(b), computed by cuBLAS as c^T = op(b)^T op(a)^T)."""
-    table, named = program._table.device.data.ptr, program._table._entries
-
     def operands(address):
-        return named[(address - table) // 8:(address - table) // 8 + 2]
+        return _table_entries(program, address, 2)
     return {tuple(operands(args[13])): (args[4], args[8], args[11], *args[:2], operands(args[9]), operands(args[6]))
             for args in calls if args[2:4] == (d, d) and args[15] == d and args[16] == 2}
 
@@ -594,14 +597,13 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
 
     # The bias gradients: ones-row GEMMs over the column sums by blocks of 64 rows that the transposes
     # of dY (the second of X^T, dY^T), dQ and [dK | dV] write.
-    named, table = program._table._entries, program._table.device.data.ptr
-    sums = {tuple(named[(args[6] - table) // 8:(args[6] - table) // 8 + 2]): (args[4], args[8])
+    sums = {tuple(_table_entries(program, args[6], 2)): (args[4], args[8])
             for args in calls if args[3] == 1}  # cuBLAS's n = 1: the row-major ones row is our m
     ones, tiles_v, tiles_t = program._ones.data.ptr, -(-b * nv // 64), -(-b * nt // 64)
     video_sums, text_sums = program._video_sums.data.ptr, program._text_sums.data.ptr
     assert sums == {(video_sums, video_sums + 4 * tiles_v * d): (tiles_v, d),
                     (text_sums, text_sums + 4 * d): (tiles_t, 2 * d)}
-    assert all(named[(args[9] - table) // 8] == ones for args in calls if args[3] == 1)
+    assert all(_table_entries(program, args[9], 1) == [ones] for args in calls if args[3] == 1)
     sum_args = [launch._args[-2:] for _, launch, _ in program._steps if isinstance(launch, Transposed)]
     assert [(int(address), int(first)) for address, first in sum_args if address] == [
         (video_sums, 1), (video_sums + 4 * tiles_v * d, 0), (text_sums, 0)]
@@ -641,8 +643,7 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     assert [a.shape for a in (dy, dq, dkv)] == [
         (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d], [d], 132)[0], d),
         *zip(column_sum_rows([140 * d, 140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
-    named, table = program._table._entries, program._table.device.data.ptr
-    sums = sorted((named[(args[6] - table) // 8:(args[6] - table) // 8 + args[16]], args[4], args[8])
+    sums = sorted((_table_entries(program, args[6], args[16]), args[4], args[8])
                   for args in calls if args[3] == 1)  # cuBLAS's n = 1: the ones row
     # Partial rows past the tensor's rows hold no data: the sums run over at most B·Nv (B·Nt) of them.
     rows_dy, rows_dq, rows_kv = min(dy.shape[0], 140), min(dq.shape[0], 140), min(dkv.shape[0], 40)
