@@ -1,10 +1,13 @@
-"""The attention kernel alone, per variant of the resident kernel's tile (64 or 128 query rows):
-GPU time (CUDA events, median), relative error against the float64 reference, and the registers
-and local (spill) bytes per thread of the kernel as this machine's NVRTC and driver built it.
+"""The attention kernel alone, per variant of a launcher knob of cupy_xattn.attention_bwd (default:
+the resident kernel's tile, RESIDENT_BLOCK_Q 64 or 128): GPU time (CUDA events, median), relative
+error against the float64 reference, and the registers and local (spill) bytes per thread of the
+kernel as this machine's NVRTC and driver built it.
 
-Usage: PYTHONPATH=. python3 scripts/attention_variants.py [--precision tf32] [--reps 20] 64x128x77 2x4096x77 ...
+Usage: PYTHONPATH=. python3 scripts/attention_variants.py [--precision tf32] [--reps 20] \
+           [--knob RESIDENT_BLOCK_Q=64,128] 64x128x77 2x4096x77 ...
 """
 import argparse
+import ast
 
 import numpy
 
@@ -19,10 +22,16 @@ def main():
     parser.add_argument("shapes", nargs="+")
     parser.add_argument("--precision", default="tf32", choices=["tf32", "fp32"])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--knob", default="RESIDENT_BLOCK_Q=64,128",
+                        help="NAME=V1,V2,...: a module constant of attention_bwd and the values to try")
     args = parser.parse_args()
+    knob, values = args.knob.split("=")
+    if not hasattr(attention_bwd, knob):
+        parser.error(f"attention_bwd has no {knob}")
+    values = [ast.literal_eval(v) for v in values.split(",")]  # ints or True/False
     heads, hidden, scale = 16, 1024, 0.125
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    print(f"{'shape':>12} {'rows':>5} {'chunks':>6} {'us':>9} {'max rel err':>12} {'regs':>5} {'local B':>8}")
+    print(f"{'shape':>12} {knob:>16} {'chunks':>6} {'us':>9} {'max rel err':>12} {'regs':>5} {'local B':>8}")
     for shape in args.shapes:
         case = cases.parse_shape(shape, atol=0.0)
         b, nv, nt = case.batch_size, case.num_video_tokens, case.num_text_tokens
@@ -38,8 +47,8 @@ def main():
         biases = [cupy.asarray(x) for x in (bq, bk, bv)]
         table = cupy.array([x.data.ptr for x in biases], numpy.uint64)
         gpu = [cupy.asarray(x) for x in (q0, kv0, dout)]
-        for rows in (64, 128):
-            attention_bwd.RESIDENT_BLOCK_Q = rows
+        for value in values:
+            setattr(attention_bwd, knob, value)
             kernel = attention_bwd.AttentionBackward(Problem(b, nv, nt, hidden, heads, 64, scale), args.precision,
                                                      sm_count)
             o, dq = (cupy.full((b * nv, hidden), numpy.nan, numpy.float32) for _ in range(2))
@@ -59,7 +68,7 @@ def main():
                    got_kv[..., :hidden], got_kv[..., hidden:])
             err = max(float(numpy.abs(x - y).max() / numpy.abs(y).max()) for x, y in zip(got, ref))
             attributes = kernel._main.attributes
-            print(f"{shape:>12} {rows:>5} {kernel.n_chunks:>6} {numpy.median(times):9.1f} {err:12.2e} "
+            print(f"{shape:>12} {value!s:>16} {kernel.n_chunks:>6} {numpy.median(times):9.1f} {err:12.2e} "
                   f"{attributes['num_regs']:>5} {attributes['local_size_bytes']:>8}", flush=True)
 
 
