@@ -2,8 +2,8 @@
 // mma.sync TF32 products on shared-memory tiles, the tile loader and the softmax helpers.
 //
 // Matrix products use mma.sync m16n8k8 TF32 with fp32 accumulation. ATTN_SPLIT3 = 1 gives the
-// fp32 mode: each operand x = big + small (big = x read as TF32, small = the remainder; see mma()),
-// and a·b is big·big + big·small + small·big, which restores about fp32 accuracy.
+// fp32 mode: each operand x = big + small (big = x truncated to TF32, small = the remainder; see
+// split_tf32()), and a·b is big·big + big·small + small·big, which restores about fp32 accuracy.
 // A block of ATTN_THREADS threads works on ATTN_BLOCK_Q query rows; each warp owns 16 rows.
 // ATTN_UNROLL_K (default 16, full) is the unrolling of the k loops of the warp products.
 
@@ -55,38 +55,38 @@ __device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// The part of x that a TF32 product does not read: the tensor cores take the top 19 bits of an
-// fp32 register (sign, exponent, 10 mantissa bits) and ignore the other 13, so x as it is serves as
-// its own TF32 part, trunc(x), and x − trunc(x) is exact in fp32.
-__device__ __forceinline__ float tf32_remainder(float x) {
-    return x - __uint_as_float(__float_as_uint(x) & 0xffffe000u);
+// x = big + small, exactly: big = x with the 13 low mantissa bits cleared (a TF32 value) and
+// small = x − big (exact in fp32, |small| < 2^-10·|x|). small goes to the tensor cores as it is:
+// they read at least TF32's 10 mantissa bits of it (the H200 truncates the rest), so what the
+// split loses is below 2^-10·|small| < 2^-20·|x|. Two instructions an element, where rounding both
+// parts to nearest took two cvt.rna (four instructions each on sm_90) and a subtraction.
+__device__ __forceinline__ void split_tf32(float x, unsigned& big, unsigned& small) {
+    big = __float_as_uint(x) & 0xffffe000u;
+    small = __float_as_uint(x - __uint_as_float(big));
 }
 
-// c += a·b on fp32 fragments: one TF32 product, or, for the error-compensated split, big·big
-// into c and the two correction terms into c_lo. The split is x = big + small with big = x read
-// as TF32 (truncated) and small = tf32_remainder(x), itself read truncated: what is lost is below
-// 2^-10·|small| ≤ 2^-20·|x|, at two instructions an element (a cvt.rna rounding is four on sm_90,
-// and rounding both parts took two of them and a subtraction).
-// The tensor cores truncate the accumulator when they add, so the corrections get an accumulator
-// of their own, of their own (small) magnitude; fold() adds it in once the products are done.
-// Without the split c_lo is unused.
+// c += a·b on fp32 fragments: one TF32 product, or, for the error-compensated split (split_tf32),
+// big·big into c and the two correction terms into c_lo. The tensor cores truncate the
+// accumulator when they add, so the corrections get an accumulator of their own, of their own
+// (small) magnitude; fold() adds it in once the products are done. Without the split c_lo is
+// unused.
 __device__ __forceinline__ void mma(float c[4], float c_lo[4], const float a[4], const float b[2]) {
     unsigned ab[4], bb[2];
+#if ATTN_SPLIT3
+    unsigned as[4], bs[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_tf32(a[i], ab[i], as[i]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) split_tf32(b[i], bb[i], bs[i]);
+    mma_tf32(c_lo, as, bb);
+    mma_tf32(c_lo, ab, bs);
+#else
+    // Already TF32: to_operand() rounded them when they were written to shared memory.
 #pragma unroll
     for (int i = 0; i < 4; ++i) ab[i] = __float_as_uint(a[i]);
 #pragma unroll
     for (int i = 0; i < 2; ++i) bb[i] = __float_as_uint(b[i]);
-#if ATTN_SPLIT3
-    unsigned as[4], bs[2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) as[i] = __float_as_uint(tf32_remainder(a[i]));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) bs[i] = __float_as_uint(tf32_remainder(b[i]));
-    mma_tf32(c_lo, as, bb);
-    mma_tf32(c_lo, ab, bs);
 #endif
-    // (Without the split the operands are TF32 already: to_operand() rounded them when they were
-    // written to shared memory.)
     mma_tf32(c, ab, bb);
 }
 
