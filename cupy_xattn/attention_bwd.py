@@ -11,7 +11,8 @@ from ._cupy import import_cupy
 
 SOURCE = "attention_bwd.cu"
 BLOCK_Q = 64          # query rows per tile of attn_bwd (4 warps of 16 rows)
-BLOCK_KV = 32         # keys per streamed tile (attn_bwd)
+BLOCK_KV = 32         # keys per streamed tile (attn_bwd), or WIDE_BLOCK_KV (streamed_block_kv)
+WIDE_BLOCK_KV = 64
 #: query rows per tile of attn_bwd_resident: 64 (4 warps, two blocks per SM) or 128 (8 warps, one
 #: block per SM, half the dK/dV accumulators per warp). 64 is faster in every mode since the
 #: kernel stopped spilling (docs/perf-notes.md; scripts/attention_variants.py compares both).
@@ -28,6 +29,19 @@ def _padded(n, multiple):
     return -(-n // multiple) * multiple
 
 
+def streamed_block_kv(num_text_tokens, precision, head_dim=64):
+    """Keys per tile of attn_bwd: WIDE_BLOCK_KV in the TF32 build at head_dim 64 where that pads
+    the text to no more keys than BLOCK_KV does (Nt = 293: 5 tiles of 64 or 10 of 32; Nt = 211:
+    4 of 64 would be 32 keys more than 7 of 32), else BLOCK_KV. Half the tiles, each with twice
+    the independent mma chains, at two blocks per SM instead of three. Measured on the H200
+    (kernel alone, tf32): 4x256x293 130.3 → 119.4 µs, 8x256x373 280.9 → 264.0, 1x100x512
+    129.7 → 122.3, but 2x256x211 73.7 → 76.7. The 3xTF32 and head_dim 128 builds would spill."""
+    if precision == "fp32" or head_dim != 64:
+        return BLOCK_KV
+    wide = _padded(num_text_tokens, WIDE_BLOCK_KV) <= _padded(num_text_tokens, BLOCK_KV)
+    return WIDE_BLOCK_KV if wide else BLOCK_KV
+
+
 def kernel_choice(num_text_tokens, precision, head_dim=64):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim.
@@ -42,8 +56,9 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
         keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
         smem = 4 * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
-    smem = 4 * (2 * BLOCK_Q * row + 2 * BLOCK_KV * row + BLOCK_Q * (BLOCK_KV + 8))
-    blocks = 2 if precision == "fp32" or head_dim > 64 else 3  # ATTN_MIN_BLOCKS in the source
+    kv = streamed_block_kv(num_text_tokens, precision, head_dim)
+    smem = 4 * (2 * BLOCK_Q * row + 2 * kv * row + BLOCK_Q * (kv + 8))
+    blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
 
 
@@ -107,7 +122,8 @@ class AttentionBackward:
             problem, precision, sm_count)
         self._threads = rows // 16 * 32
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
-        defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": BLOCK_KV, "ATTN_HEAD_DIM": problem.head_dim,
+        block_kv = streamed_block_kv(problem.num_text_tokens, precision, problem.head_dim) if not keys else BLOCK_KV
+        defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": block_kv, "ATTN_HEAD_DIM": problem.head_dim,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed)}
         self._main = kernels.get_kernel(SOURCE, name, defines)

@@ -170,8 +170,9 @@ __device__ __forceinline__ void store_o(float* o, int ld, int row0, int n_rows,
 
 // Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
 // accumulators do not fit that, and it runs two. With head_dim 128 two blocks fit the shared
-// memory (2 × 112 KiB) and the registers (2 × 128 threads × 255).
-#if ATTN_SPLIT3 || ATTN_HEAD_DIM > 64
+// memory (2 × 112 KiB) and the registers (2 × 128 threads × 255); so do 64-key tiles (the
+// launcher's streamed_block_kv), whose score tiles take twice the registers.
+#if ATTN_SPLIT3 || ATTN_HEAD_DIM > 64 || ATTN_BLOCK_KV > 32
 #define ATTN_MIN_BLOCKS 2
 #else
 #define ATTN_MIN_BLOCKS 3

@@ -23,7 +23,8 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_SPLIT3": 1, "ATTN_KEYS": 80},
                                      {"ATTN_KEYS": 80, "ATTN_BLOCK_Q": 128, "ATTN_RESIDENT_MIN_BLOCKS": 1},
                                      {"ATTN_HEAD_DIM": 128}, {"ATTN_HEAD_DIM": 128, "ATTN_SPLIT3": 1},
-                                     {"ATTN_O_TRANSPOSED": 1}, {"ATTN_O_TRANSPOSED": 1, "ATTN_KEYS": 80}])
+                                     {"ATTN_O_TRANSPOSED": 1}, {"ATTN_O_TRANSPOSED": 1, "ATTN_KEYS": 80},
+                                     {"ATTN_BLOCK_KV": 64}])
 def test_attention_kernel_variants_compile(defines, arch):
     # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
     cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)

@@ -726,3 +726,17 @@ def test_only_capture_refusals_leave_a_plan_uncaptured(gpu, monkeypatch):
     with pytest.raises(FakeRuntimeError):
         plan(**_inputs())
     assert not plan._programs  # nothing marked uncaptured: the next call tries again
+
+
+@pytest.mark.parametrize("nt, precision, head_dim, block_kv", [
+    (293, "tf32", 64, 64), (373, "fp16", 64, 64), (512, "tf32", 64, 64), (300, "tf32", 64, 64),
+    (211, "tf32", 64, 32),   # 4 tiles of 64 would be 32 padded keys more than 7 of 32
+    (81, "tf32", 64, 32), (373, "fp32", 64, 32), (512, "tf32", 128, 32)])  # the split and head_dim 128 would spill
+def test_streamed_key_tiles_are_wide_where_they_add_no_padding(nt, precision, head_dim, block_kv):
+    from cupy_xattn import attention_bwd
+    assert attention_bwd.streamed_block_kv(nt, precision, head_dim) == block_kv
+    row = head_dim + 8
+    name, keys, rows, smem, blocks = attention_bwd.kernel_choice(nt, precision, head_dim)
+    assert (name, keys) == ("attn_bwd", 0)
+    assert smem == 4 * (2 * rows * row + 2 * block_kv * row + rows * (block_kv + 8))
+    assert blocks == (3 if (precision, head_dim, block_kv) == ("tf32", 64, 32) else 2)
