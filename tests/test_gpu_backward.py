@@ -134,7 +134,7 @@ def test_fp16_mode_keeps_the_precision_of_a_sample_far_smaller_than_the_others()
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("shape, lengths", [((2, 130, 77), (40, 77)), ((2, 70, 93), (1, 93)),
                                             ((3, 64, 211), (211, 100, 33)), ((2, 70, 300), (1, 250))],
-                         ids=["resident", "streamed", "3-samples", "streamed-64-key-tiles"])
+                         ids=["resident", "streamed", "3-samples", "streamed-300"])  # 300: 64-key tiles (tf32, fp16)
 def test_text_lengths_pad_the_text(shape, lengths, precision):
     inputs, plain_ref = _case_data(cases.Case(*shape, atol=0.0), 4)
     ref = reference.backward(**inputs, num_heads=16, text_lengths=numpy.array(lengths))

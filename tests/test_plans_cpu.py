@@ -735,8 +735,10 @@ def test_only_capture_refusals_leave_a_plan_uncaptured(gpu, monkeypatch):
 def test_streamed_key_tiles_are_wide_where_they_add_no_padding(nt, precision, head_dim, block_kv):
     from cupy_xattn import attention_bwd
     assert attention_bwd.streamed_block_kv(nt, precision, head_dim) == block_kv
-    row = head_dim + 8
     name, keys, rows, smem, blocks = attention_bwd.kernel_choice(nt, precision, head_dim)
-    assert (name, keys) == ("attn_bwd", 0)
-    assert smem == 4 * (2 * rows * row + 2 * block_kv * row + rows * (block_kv + 8))
+    assert (name, keys, rows) == ("attn_bwd", 0, 64)
+    # Q, dO, K, V tiles of head_dim + 8 floats a row, P of block_kv + 8 (attn_bwd's carve-up), in bytes:
+    # 64 keys at head_dim 64 is 90 KiB, two blocks per SM; 32 keys 64 KiB, three.
+    assert smem == {(64, 64): 92160, (64, 32): 65536, (128, 32): 4 * (2 * 64 * 136 + 2 * 32 * 136 + 64 * 40)}[
+        head_dim, block_kv]
     assert blocks == (3 if (precision, head_dim, block_kv) == ("tf32", 64, 32) else 2)
