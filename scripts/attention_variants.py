@@ -25,9 +25,9 @@ def main():
     parser.add_argument("--knob", default="RESIDENT_BLOCK_Q=64,128",
                         help="NAME=V1,V2,...: a module constant of attention_bwd and the values to try")
     args = parser.parse_args()
-    knob, values = args.knob.split("=")
-    if not hasattr(attention_bwd, knob):
-        parser.error(f"attention_bwd has no {knob}")
+    knob, _, values = args.knob.partition("=")
+    if not hasattr(attention_bwd, knob) or not values:
+        parser.error(f"--knob {args.knob!r}: expected NAME=V1,V2,... with NAME a constant of attention_bwd")
     values = [ast.literal_eval(v) for v in values.split(",")]  # ints or True/False
     heads, hidden, scale = 16, 1024, 0.125
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
