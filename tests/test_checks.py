@@ -86,7 +86,7 @@ def test_shapes_are_one_value_error_listing_every_mismatch(arrays):
     with pytest.raises(ValueError) as error:
         _validate(arrays)
     message = str(error.value)
-    assert f"grad_output has shape (2, 5, 9), expected (B, Nv, D) = (2, 5, 8)" in message
+    assert "grad_output has shape (2, 5, 9), expected (B, Nv, D) = (2, 5, 8)" in message
     assert "key_weight has shape (8, 8, 1), expected (D, D) = (8, 8)" in message
     assert "value_bias has shape (7,), expected (D,) = (8,)" in message
     assert "video_latents has" not in message and "text_embeddings has" not in message

@@ -715,7 +715,6 @@ def test_a_failed_step_still_joins_the_lanes_and_orders_the_callers_stream(gpu):
 
 
 def test_only_capture_refusals_leave_a_plan_uncaptured(gpu, monkeypatch):
-    import cupy
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2)
 
