@@ -66,7 +66,7 @@ def o_t_stride(rows):
     """Row stride (floats) of the O^T the kernel writes with o_transposed, for ``rows`` = B·Nv:
     rounded up to 32 floats (16-byte aligned rows for cuBLAS's TMA kernels). The tf32 mode pads the
     other transposed operands the same way."""
-    return -(-rows // 32) * 32
+    return _padded(rows, 32)
 
 
 def check_head_dim(problem):
