@@ -132,7 +132,9 @@ def run(inputs, *, scale, num_heads, precision, backend, out, text_lengths=None,
         if problem is not None and (plan is None or plan.matches(problem[0], precision)):
             problem, addresses = problem
             plan = plan if plan is not None else plans.cached(problem, precision)
-            return plan.launch(inputs, problem.scale, None if out is None else CrossAttentionGrads(*out), addresses)
+            if out is not None and type(out) is not CrossAttentionGrads:
+                out = CrossAttentionGrads(*out)
+            return plan.launch(inputs, problem.scale, out, addresses)
     arrays = checks.as_arrays(dict(zip(INPUT_NAMES, inputs)))
     out = checks.as_out(out)
     problem = checks.validate(arrays, scale=scale, num_heads=num_heads, precision=precision,

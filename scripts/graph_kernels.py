@@ -2,11 +2,16 @@
 duration of each kernel in the graph; the two together say how much of a small case is idle gaps.
 
 Usage:  PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32            (time the replay)
+        PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32 --trace    (idle gaps per replay)
         ncu --clock-control none --cache-control none --profile-from-start off \\
             --metrics gpu__time_duration.sum --csv \\
             python3 scripts/graph_kernels.py 2x256x77 tf32 --profile      (each kernel of one replay)
 """
 import argparse
+import json
+import os
+import tempfile
+import time
 
 import numpy
 
@@ -22,6 +27,8 @@ def main():
     parser.add_argument("precision")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="bracket one replay for ncu instead of timing")
+    parser.add_argument("--trace", action="store_true",
+                        help="every kernel's start and end in each replay (CUPTI, through torch.profiler)")
     args = parser.parse_args()
     case = cases.parse_shape(args.shape, atol=0.0)
     inputs = cases.make_inputs(case, seed=0, xp=cupy)
@@ -36,6 +43,9 @@ def main():
         cupy.cuda.Device().synchronize()
         cupy.cuda.profiler.stop()
         return
+    if args.trace:
+        trace(lambda: plan(**inputs, out=out), args.reps)
+        return
     single, queued = [], []
     for _ in range(args.reps):
         for calls, times in ((1, single), (10, queued)):
@@ -49,6 +59,47 @@ def main():
             times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / calls)
     print(f"{args.shape} {args.precision}: one call {float(numpy.median(single)):.1f} us (idle GPU: the host time "
           f"before the launch counts), ten queued calls {float(numpy.median(queued)):.1f} us each (warm L2)")
+
+
+def trace(call, reps):
+    """Per replay (the GPU idle before each): span from the first kernel's start to the last one's
+    end, the time some kernel runs (union of the kernels' intervals), the sum of the kernels'
+    durations; span - busy is the idle gaps. torch's profiler serves only as a CUPTI front end."""
+    import cupy
+    import torch.profiler
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            cupy.cuda.Device().synchronize()
+            call()
+            cupy.cuda.Device().synchronize()
+            time.sleep(0.002)  # replays at least 2 ms apart: a gap that long splits them below
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") == "kernel")
+    replays, current = [], []
+    for kernel in kernels:
+        if current and kernel[0] - max(end for _, end, _ in current) > 1000:
+            replays.append(current)
+            current = []
+        current.append(kernel)
+    replays.append(current)
+    rows = []
+    for replay in replays:
+        span = max(end for _, end, _ in replay) - replay[0][0]
+        busy, reach = 0.0, replay[0][0]
+        for start, end, _ in replay:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        rows.append((span, busy, sum(end - start for start, end, _ in replay), len(replay)))
+    span, busy, total, count = (float(numpy.median(column)) for column in zip(*rows))
+    print(f"{len(rows)} replays, medians: {count:.0f} kernels, span {span:.1f} us, busy {busy:.1f} us, "
+          f"idle gaps {span - busy:.1f} us ({100 * (span - busy) / span:.1f} % of the span), "
+          f"sum of kernel durations {total:.1f} us (span / sum {span / total:.2f})")
 
 
 if __name__ == "__main__":
