@@ -29,6 +29,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="bracket one replay for ncu instead of timing")
     parser.add_argument("--trace", action="store_true",
                         help="every kernel's start and end in each replay (CUPTI, through torch.profiler)")
+    parser.add_argument("--kernels", action="store_true", help="with --trace: list the kernels of the last replay")
     args = parser.parse_args()
     case = cases.parse_shape(args.shape, atol=0.0)
     inputs = cases.make_inputs(case, seed=0, xp=cupy)
@@ -44,7 +45,7 @@ def main():
         cupy.cuda.profiler.stop()
         return
     if args.trace:
-        trace(lambda: plan(**inputs, out=out), args.reps)
+        trace(lambda: plan(**inputs, out=out), args.reps, args.kernels)
         return
     single, queued = [], []
     for _ in range(args.reps):
@@ -61,7 +62,7 @@ def main():
           f"before the launch counts), ten queued calls {float(numpy.median(queued)):.1f} us each (warm L2)")
 
 
-def trace(call, reps):
+def trace(call, reps, listing=False):
     """Per replay (the GPU idle before each): span from the first kernel's start to the last one's
     end, the time some kernel runs (union of the kernels' intervals), the sum of the kernels'
     durations; span - busy is the idle gaps. torch's profiler serves only as a CUPTI front end."""
@@ -80,7 +81,7 @@ def trace(call, reps):
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("ph") == "X" and e.get("cat") == "kernel")
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset"))
     replays, current = [], []
     for kernel in kernels:
         if current and kernel[0] - max(end for _, end, _ in current) > 1000:
@@ -97,9 +98,14 @@ def trace(call, reps):
             reach = max(reach, end)
         rows.append((span, busy, sum(end - start for start, end, _ in replay), len(replay)))
     span, busy, total, count = (float(numpy.median(column)) for column in zip(*rows))
+    print("idle gaps per replay, us:", " ".join(f"{span - busy:.1f}" for span, busy, _, _ in rows))
     print(f"{len(rows)} replays, medians: {count:.0f} kernels, span {span:.1f} us, busy {busy:.1f} us, "
           f"idle gaps {span - busy:.1f} us ({100 * (span - busy) / span:.1f} % of the span), "
           f"sum of kernel durations {total:.1f} us (span / sum {span / total:.2f})")
+    if listing:
+        origin = replays[-1][0][0]
+        for start, end, name in replays[-1]:
+            print(f"  {start - origin:7.1f} {end - origin:7.1f} {end - start:6.1f}  {name[:100]}")
 
 
 if __name__ == "__main__":
