@@ -35,6 +35,8 @@ pointer table (kernels dereference it; cuBLAS takes it through ``cublasGemmBatch
 CUDA graph and replayed with new arrays every call (see ``plans.py``).
 """
 
+import math
+
 import numpy
 
 from . import _cublas
@@ -62,6 +64,23 @@ def _weight_grads_tn(precision, mv, mt):
     it was not (B = 2, Nv = 256, Nt = 211)."""
     video = precision == "tf32" and mv >= _TN_MIN_ROWS
     return video, video and mt >= _TN_MIN_TEXT_ROWS or precision == "tf32" and mt >= _TN_MIN_ROWS
+
+
+def _o_shape(precision, mv, d):
+    """O's buffer: O^T with rows padded to o_t_stride where [dWo | dWq] read transposes, else O."""
+    return (d, o_t_stride(mv)) if _weight_grads_tn(precision, mv, 0)[0] else (mv, d)
+
+
+def _tf32_shapes(mv, mt, d):
+    """The tf32 schedule's own float32 buffers (_record_tf32), name -> shape, None where the
+    pairs that _weight_grads_tn leaves "nt" need none."""
+    video_tn, text_tn = _weight_grads_tn("tf32", mv, mt)
+    tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
+    return {"wo_t": (d, d), "wqkv_t": (d, 3 * d),
+            "video_t": (3, d, o_t_stride(mv)) if video_tn else None,  # X^T, dY^T, dQ^T
+            "text_t": (3 * d, o_t_stride(mt)) if text_tn else None,  # T^T, then [dK | dV]^T
+            "video_sums": (2, tiles_v, d) if video_tn else None,  # column sums of dY, dQ by row blocks
+            "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
@@ -139,7 +158,8 @@ class Backward:
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
-        self._o = cupy.zeros((d, o_t_stride(mv)), numpy.float32) if video_tn else f32(mv, d)
+        o_shape = _o_shape(precision, mv, d)
+        self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
@@ -168,19 +188,14 @@ class Backward:
         attention's dK/dV partials and the cuBLAS workspaces (small buffers aside)."""
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
-        fp32 = 4 * (4 * mv * d + 2 * mt * 2 * d + max(mv, mt))  # Q0, dO, O, dQ; [K0|V0], [dK|dV]; ones
+        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, mv, d)) + 2 * mt * 2 * d
+                    + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
                             for rows, cols in _column_sum_shapes(stage, sm_count))
-        # tf32: Wo^T, [Wq^T | Wk^T | Wv^T]; "tn": O^T's padding, X^T, dY^T, dQ^T and the column sums of
-        # dY, dQ; T^T, [dK | dV]^T and the column sums of [dK | dV]
-        ldv, ldt = o_t_stride(mv), o_t_stride(mt)
-        tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
-        video_tn, text_tn = _weight_grads_tn(precision, mv, mt)
-        transposed = 4 * ((4 * d * d if precision == "tf32" else 0)
-                          + (d * (ldv - mv) + 3 * d * ldv + 2 * tiles_v * d if video_tn else 0)
-                          + (3 * d * ldt + tiles_t * 2 * d if text_tn else 0))
+        transposed = 4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values()
+                             if shape) if precision == "tf32" else 0
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -293,12 +308,13 @@ class Backward:
         cupy = import_cupy()
         video_tn, text_tn = _weight_grads_tn("tf32", mv, mt)
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
-        self._wo_t, self._wqkv_t = (cupy.empty(shape, numpy.float32) for shape in ((d, d), (d, 3 * d)))
-        self._video_t = cupy.zeros((3, d, ldv), numpy.float32) if video_tn else None  # X^T, dY^T, dQ^T
-        self._text_t = cupy.zeros((3 * d, ldt), numpy.float32) if text_tn else None  # T^T, then [dK | dV]^T
+        shapes = _tf32_shapes(mv, mt, d)
+        # The transposes' padding columns stay zero (the "tn" products run over the padded K).
+        make = lambda name, fill: fill(shapes[name], numpy.float32) if shapes[name] else None  # noqa: E731
+        self._wo_t, self._wqkv_t = make("wo_t", cupy.empty), make("wqkv_t", cupy.empty)
+        self._video_t, self._text_t = make("video_t", cupy.zeros), make("text_t", cupy.zeros)
+        self._video_sums, self._text_sums = make("video_sums", cupy.empty), make("text_sums", cupy.empty)
         tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
-        self._video_sums = cupy.empty((2, tiles_v, d), numpy.float32) if video_tn else None  # of dY, dQ
-        self._text_sums = cupy.empty((tiles_t, 2 * d), numpy.float32) if text_tn else None  # of [dK | dV]
         O, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
         table = self._table
         at = lambda *entries: table.address(table.add(*entries))  # noqa: E731
