@@ -66,9 +66,9 @@ def _weight_grads_tn(precision, mv, mt):
     return video, video and mt >= _TN_MIN_TEXT_ROWS or precision == "tf32" and mt >= _TN_MIN_ROWS
 
 
-def _o_shape(precision, mv, d):
+def _o_shape(video_tn, mv, d):
     """O's buffer: O^T with rows padded to o_t_stride where [dWo | dWq] read transposes, else O."""
-    return (d, o_t_stride(mv)) if _weight_grads_tn(precision, mv, 0)[0] else (mv, d)
+    return (d, o_t_stride(mv)) if video_tn else (mv, d)
 
 
 def _tf32_shapes(mv, mt, d):
@@ -158,7 +158,7 @@ class Backward:
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn)
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
-        o_shape = _o_shape(precision, mv, d)
+        o_shape = _o_shape(video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
@@ -188,14 +188,15 @@ class Backward:
         attention's dK/dV partials and the cuBLAS workspaces (small buffers aside)."""
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
-        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, mv, d)) + 2 * mt * 2 * d
+        video_tn = _weight_grads_tn(precision, mv, mt)[0]
+        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(video_tn, mv, d)) + 2 * mt * 2 * d
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
                             for rows, cols in _column_sum_shapes(stage, sm_count))
-        transposed = 4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values()
-                             if shape) if precision == "tf32" else 0
+        transposed = (4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values() if shape)
+                      if precision == "tf32" else 0)
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
 
@@ -309,11 +310,13 @@ class Backward:
         video_tn, text_tn = _weight_grads_tn("tf32", mv, mt)
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
         shapes = _tf32_shapes(mv, mt, d)
+        self._wo_t = cupy.empty(shapes["wo_t"], numpy.float32)
+        self._wqkv_t = cupy.empty(shapes["wqkv_t"], numpy.float32)
         # The transposes' padding columns stay zero (the "tn" products run over the padded K).
-        make = lambda name, fill: fill(shapes[name], numpy.float32) if shapes[name] else None  # noqa: E731
-        self._wo_t, self._wqkv_t = make("wo_t", cupy.empty), make("wqkv_t", cupy.empty)
-        self._video_t, self._text_t = make("video_t", cupy.zeros), make("text_t", cupy.zeros)
-        self._video_sums, self._text_sums = make("video_sums", cupy.empty), make("text_sums", cupy.empty)
+        self._video_t = cupy.zeros(shapes["video_t"], numpy.float32) if video_tn else None
+        self._text_t = cupy.zeros(shapes["text_t"], numpy.float32) if text_tn else None
+        self._video_sums = cupy.empty(shapes["video_sums"], numpy.float32) if video_tn else None
+        self._text_sums = cupy.empty(shapes["text_sums"], numpy.float32) if text_tn else None
         tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
         O, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
         table = self._table

@@ -74,9 +74,10 @@ class Plan:
         self._programs = {}   # scale -> (Backward, graph), least recently used first
         self._lock = threading.Lock()
         # Events are reused (recorded again each call) rather than created per call: a wait
-        # already issued keeps the record it saw. Used only under the lock.
-        self._handoff = cupy.cuda.Event(disable_timing=True)  # ordering between streams
-        self._last_stream = None  # the stream of the last launch, when no stream is fixed
+        # already issued keeps the record it saw. Both are used only under the lock.
+        self._handoff = cupy.cuda.Event(disable_timing=True)  # ordering between streams within a call
+        self._done = cupy.cuda.Event(disable_timing=True)     # after the last launch, when no stream is fixed
+        self._last_stream = None  # pointer of the stream of that launch
         self._problem(1.0 / math.sqrt(self.head_dim))  # fail now on an unsupported head_dim
 
     def _problem(self, scale):
@@ -122,12 +123,9 @@ class Plan:
         with self._lock, _on_device(cupy, self.device):
             if stream.ptr != current.ptr:  # a plan with its own stream: after the caller's work, and before it
                 self._wait(stream, current)
-            last = self._last_stream
-            if last is not None and last.ptr != stream.ptr:
-                # The pointer table is rewritten below: let the last replay (on ``last``) finish reading
-                # it. Recorded now rather than after every launch: the record covers that replay and
-                # whatever ``last`` was given since, and calls that stay on one stream record nothing.
-                self._wait(stream, last)
+            if self._last_stream not in (None, stream.ptr):
+                # The pointer table is rewritten below: let the last replay (another stream) finish reading it.
+                stream.wait_event(self._done)
             program, graph = self._programs.pop(scale, (None, None))
             if program is None:
                 # Allocated on the stream that runs it: CuPy's pool reuses a freed block only in the
@@ -145,7 +143,8 @@ class Plan:
             while len(self._programs) > SCALES_PER_PLAN:
                 self._programs.pop(next(iter(self._programs)))
             if self.stream is None:
-                self._last_stream = stream
+                self._done.record(stream)
+                self._last_stream = stream.ptr
             if stream.ptr != current.ptr:
                 self._wait(current, stream)
         return out

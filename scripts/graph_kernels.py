@@ -31,6 +31,8 @@ def main():
                         help="every kernel's start and end in each replay (CUPTI, through torch.profiler)")
     parser.add_argument("--kernels", action="store_true", help="with --trace: list the kernels of the last replay")
     args = parser.parse_args()
+    if args.kernels and not args.trace:
+        parser.error("--kernels lists the kernels of a --trace run: give --trace too")
     case = cases.parse_shape(args.shape, atol=0.0)
     inputs = cases.make_inputs(case, seed=0, xp=cupy)
     plan = cupy_xattn.plan(case.batch_size, case.num_video_tokens, case.num_text_tokens, precision=args.precision)
@@ -96,12 +98,13 @@ def trace(call, reps, listing=False):
         for start, end, _ in replay:
             busy += max(0.0, end - max(start, reach))
             reach = max(reach, end)
-        rows.append((span, busy, sum(end - start for start, end, _ in replay), len(replay)))
-    span, busy, total, count = (float(numpy.median(column)) for column in zip(*rows))
-    print("idle gaps per replay, us:", " ".join(f"{span - busy:.1f}" for span, busy, _, _ in rows))
-    print(f"{len(rows)} replays, medians: {count:.0f} kernels, span {span:.1f} us, busy {busy:.1f} us, "
-          f"idle gaps {span - busy:.1f} us ({100 * (span - busy) / span:.1f} % of the span), "
-          f"sum of kernel durations {total:.1f} us (span / sum {span / total:.2f})")
+        total = sum(end - start for start, end, _ in replay)
+        rows.append((span, busy, span - busy, 100 * (span - busy) / span, total, span / total, len(replay)))
+    span, busy, gaps, share, total, ratio, count = (float(numpy.median(column)) for column in zip(*rows))
+    print("idle gaps per replay, us:", " ".join(f"{row[2]:.1f}" for row in rows))
+    print(f"{len(rows)} replays, medians of each figure: {count:.0f} kernels and memsets, span {span:.1f} us, "
+          f"busy {busy:.1f} us, idle gaps {gaps:.1f} us ({share:.1f} % of the span), sum of durations "
+          f"{total:.1f} us (span / sum {ratio:.2f})")
     if listing:
         origin = replays[-1][0][0]
         for start, end, name in replays[-1]:

@@ -6,8 +6,8 @@ Two figures per path, in µs of perf_counter time:
   idle  the median of single calls each made with the GPU idle (the stream synchronized before
         it): the host time the first kernel waits for. The paths take turns call by call, so a
         host whose speed drifts (these lent machines do) biases none of them.
-  b2b   the mean over runs of 20 calls issued back to back (the GPU busy behind them), the
-        minimum of the runs: a loop's throughput.
+  b2b   the mean time per call of 20 calls issued back to back (the GPU busy behind them), the
+        best of 15 such runs: a loop's throughput. Measured one path after the other, not in turn.
 """
 import argparse
 import statistics
