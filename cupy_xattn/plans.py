@@ -123,8 +123,10 @@ class Plan:
         with self._lock, _on_device(cupy, self.device):
             if stream.ptr != current.ptr:  # a plan with its own stream: after the caller's work, and before it
                 self._wait(stream, current)
-            if self._last_stream not in (None, stream.ptr):
-                # The pointer table is rewritten below: let the last replay (another stream) finish reading it.
+            if self._last_stream not in (None, stream.ptr) or stream.ptr == cupy.cuda.runtime.streamPerThread:
+                # The pointer table is rewritten below: let the last replay (another stream) finish reading
+                # it. The per-thread default stream's handle names each calling thread's own stream, so
+                # the last replay may have run on another thread's: wait for it every time.
                 stream.wait_event(self._done)
             program, graph = self._programs.pop(scale, (None, None))
             if program is None:

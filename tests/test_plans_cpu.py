@@ -164,7 +164,7 @@ def gpu(monkeypatch):
             pass
 
     runtime = types.SimpleNamespace(
-        getDevice=lambda: log.device,
+        getDevice=lambda: log.device, streamPerThread=2,
         getDeviceProperties=lambda device: {"multiProcessorCount": 132},
         memcpyAsync=lambda dst, src, size, kind, stream: log.append(("copy", stream, dst, size)),
         memsetAsync=lambda ptr, value, size, stream: log.append(("memset", stream)))
@@ -438,6 +438,19 @@ def test_a_plan_without_a_stream_lets_its_last_replay_finish_before_another_stre
     with other:
         plan(**_inputs(1, 64, 77))  # the same stream again: no wait
     assert not any(e[0] == "wait" for e in gpu[mark:])
+
+
+def test_calls_on_the_per_thread_default_stream_always_wait_for_the_last_replay(gpu):
+    import cupy_xattn
+    plan = cupy_xattn.plan(1, 64, 77, hidden_size=128, num_heads=2)
+    for _ in range(2):  # on two threads, the same handle would be two different streams
+        with FakeStream(gpu, 2):  # cudaStreamPerThread
+            mark = len(gpu)
+            plan(**_inputs(1, 64, 77))
+    wait = next(i for i in range(mark, len(gpu)) if gpu[i][:2] == ("wait", 2))
+    copy = next(i for i in range(mark, len(gpu)) if gpu[i][0] == "copy")
+    stream, recorded = _last_record(gpu, gpu[wait][2], wait)
+    assert stream == 2 and recorded < mark <= wait < copy  # the first call's record, before the table copy
 
 
 def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(gpu):
