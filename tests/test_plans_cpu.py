@@ -13,6 +13,7 @@ import types
 
 import numpy
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 _addresses = itertools.count(1 << 32, 1 << 24)  # 16 MiB apart, 16-byte aligned
 
@@ -48,6 +49,12 @@ class FakeArray:
         self.data = memptr
         self._c_contiguous = True
         self.ndim = len(self.shape)
+        self.itemsize = self.dtype.itemsize
+        self.strides = tuple(int(numpy.prod(self.shape[i + 1:])) * self.itemsize for i in range(self.ndim))
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=self.data.device_id)
 
     def __getitem__(self, rows):  # rows of a C-contiguous array (wkv_h[:d], buffer[1:])
         start, stop, _ = rows.indices(self.shape[0])
@@ -451,6 +458,54 @@ def test_calls_on_the_per_thread_default_stream_always_wait_for_the_last_replay(
     copy = next(i for i in range(mark, len(gpu)) if gpu[i][0] == "copy")
     stream, recorded = _last_record(gpu, gpu[wait][2], wait)
     assert stream == 2 and recorded < mark <= wait < copy  # the first call's record, before the table copy
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with_it(gpu, data):
+    """fast_validate may decline anything (None: the full check runs), but what it accepts the full
+    check must accept, with the same sizes and scale, and the addresses must be the arrays'."""
+    from cupy_xattn import checks
+    from cupy_xattn.grads import INPUT_NAMES, CrossAttentionGrads
+    b, nv, nt = (data.draw(st.integers(1, 3), label=name) for name in ("B", "Nv", "Nt"))
+    heads, head_dim = data.draw(st.integers(1, 3), label="heads"), data.draw(st.sampled_from([4, 8]), label="hd")
+    inputs = _inputs(b, nv, nt, heads * head_dim)
+    arrays = [inputs[name] for name in INPUT_NAMES]
+    out = None if data.draw(st.booleans(), label="no out") else [FakeArray(a.shape) for a in arrays[1:]]
+    everything = arrays + (out or [])
+    for _ in range(data.draw(st.integers(0, 2), label="faults")):  # break a random array a random way
+        i = data.draw(st.integers(0, len(everything) - 1), label="which")
+        a = everything[i]
+        fault = data.draw(st.sampled_from(["shape", "dtype", "layout", "device", "offset", "alias"]), label="fault")
+        if fault == "shape":
+            bad = FakeArray(a.shape[:-1] + (a.shape[-1] + 1,))
+        elif fault == "dtype":
+            bad = FakeArray(a.shape, numpy.float16)
+        elif fault == "layout":
+            bad = FakeArray(a.shape)
+            bad._c_contiguous = False
+        elif fault == "device":
+            bad = FakeArray(a.shape, ptr=a.data.ptr, device=1)
+        elif fault == "offset":  # 4 bytes past a 16-byte boundary, in memory of its own
+            bad = FakeArray(a.shape, ptr=_alloc(a.nbytes + 16).ptr + 4)
+        else:  # the memory of another array (an output over an input, or two outputs over one)
+            j = data.draw(st.integers(0, len(everything) - 1), label="over")
+            bad = FakeArray(a.shape, ptr=everything[j].data.ptr)
+        everything[i] = bad
+    arrays, out = everything[:11], (everything[11:] or None)
+    num_heads = data.draw(st.sampled_from([heads, heads + 1]), label="num_heads")
+    scale = data.draw(st.sampled_from([None, 0.5, 2, -1.0, float("inf"), True]), label="scale")
+    options = dict(scale=scale, num_heads=num_heads, precision="tf32", backend="cupy")
+    fast = checks.fast_validate(arrays, **options, out=out)
+    try:
+        problem = checks.validate(dict(zip(INPUT_NAMES, arrays)), **options,
+                                  out=None if out is None else CrossAttentionGrads(*out))
+    except (TypeError, ValueError):
+        assert fast is None
+        return
+    if fast is not None:
+        assert fast[0] == problem
+        assert fast[1] == [a.data.ptr for a in arrays + (out or [])]
 
 
 def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(gpu):
