@@ -158,13 +158,13 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     if ndarray is None or type(x) is not ndarray or type(t) is not ndarray or x.ndim != 3 or t.ndim != 3:
         return None
     (b, nv, d), nt = x.shape, t.shape[1]
-    if (0 in (b, nv, nt, d) or d % num_heads or b > MAX_BATCH
-            or max(b * nv * d, b * nt * 2 * d, d * d, b * num_heads * nv * nt) >= INDEX_LIMIT):
+    sizes = _common_sizes(b, nv, nt, d, num_heads, scale)
+    if sizes is None:
         return None
+    problem, input_shapes, output_shapes, nbytes = sizes
     device = x.data.device_id
     if device != cupy.cuda.runtime.getDevice():  # the plan cache is per current device
         return None
-    input_shapes, output_shapes, nbytes = layout(b, nv, nt, d)
     # The kernels read inputs 16 bytes at a time; cuBLAS writes the outputs, any float32 alignment.
     addresses = _addresses(inputs, input_shapes, ndarray, device, INPUT_ALIGNMENT)
     if addresses is None:
@@ -175,9 +175,19 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
         if outputs is None or _outputs_overlap(addresses + outputs, len(addresses), nbytes):
             return None
         addresses += outputs
+    return problem, addresses
+
+
+@functools.lru_cache(maxsize=64)
+def _common_sizes(b, nv, nt, d, num_heads, scale):
+    """(Problem, input shapes, output shapes, byte sizes) when fast_validate takes these sizes, else
+    None; a call repeats them, so they are worked out once (a few µs on a slow host)."""
+    if (0 in (b, nv, nt, d) or d % num_heads or b > MAX_BATCH
+            or max(b * nv * d, b * nt * 2 * d, d * d, b * num_heads * nv * nt) >= INDEX_LIMIT):
+        return None
     head_dim = d // num_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return Problem(b, nv, nt, d, num_heads, head_dim, scale), addresses
+    problem = Problem(b, nv, nt, d, num_heads, head_dim, 1.0 / math.sqrt(head_dim) if scale is None else float(scale))
+    return (problem, *layout(b, nv, nt, d))
 
 
 def _addresses(arrays, shapes, ndarray, device, alignment):
