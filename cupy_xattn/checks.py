@@ -146,9 +146,13 @@ def fast_validate(inputs, *, scale, num_heads, precision, backend, out):
     few comparisons, since on a slow host the full check costs more than the GPU work of a
     small case. Whenever anything differs, None: :func:`validate` then explains what is wrong.
     """
-    # type() first: isinstance against the numbers ABC costs more.
-    if (backend != "cupy" or precision not in PRECISIONS or (type(num_heads) is not int and not _is_int(num_heads))
-            or num_heads <= 0):
+    if backend != "cupy" or precision not in PRECISIONS:
+        return None
+    if type(num_heads) is not int:  # type() first: isinstance against the numbers ABC costs more
+        if not _is_int(num_heads):
+            return None
+        num_heads = int(num_heads)  # a NumPy integer would wrap in the size products below
+    if num_heads <= 0:
         return None
     if scale is not None and not (type(scale) in (int, float) and 0 < scale < math.inf):
         return None
@@ -315,6 +319,7 @@ def validate(arrays, *, scale, num_heads, precision, backend, out, caller="cross
         type_problems.append(f"scale must be a real number or None, got {type(scale).__name__}")
     if type_problems:
         raise TypeError(_message("invalid argument types", type_problems, caller))
+    num_heads = int(num_heads)  # a NumPy integer would wrap in the size products below
 
     problems = []
     if precision not in PRECISIONS:

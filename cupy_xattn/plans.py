@@ -76,7 +76,8 @@ class Plan:
         # Events are reused (recorded again each call) rather than created per call: a wait
         # already issued keeps the record it saw. Both are used only under the lock.
         self._handoff = cupy.cuda.Event(disable_timing=True)  # ordering between streams within a call
-        self._done = cupy.cuda.Event(disable_timing=True)     # after the last launch, when no stream is fixed
+        # After the last launch when no stream is fixed, or when it ran on the per-thread default stream.
+        self._done = cupy.cuda.Event(disable_timing=True)
         self._last_stream = None  # pointer of the stream of that launch
         self._problem(1.0 / math.sqrt(self.head_dim))  # fail now on an unsupported head_dim
 
@@ -123,10 +124,11 @@ class Plan:
         with self._lock, _on_device(cupy, self.device):
             if stream.ptr != current.ptr:  # a plan with its own stream: after the caller's work, and before it
                 self._wait(stream, current)
-            if self._last_stream not in (None, stream.ptr) or stream.ptr == cupy.cuda.runtime.streamPerThread:
-                # The pointer table is rewritten below: let the last replay (another stream) finish reading
-                # it. The per-thread default stream's handle names each calling thread's own stream, so
-                # the last replay may have run on another thread's: wait for it every time.
+            # The per-thread default stream's handle names each calling thread's own stream, so a
+            # replay on it may have run on another thread's stream (the cache keys plans by handle).
+            per_thread = stream.ptr == cupy.cuda.runtime.streamPerThread
+            if self._last_stream is not None and (self._last_stream != stream.ptr or per_thread):
+                # The pointer table is rewritten below: let the last replay finish reading it.
                 stream.wait_event(self._done)
             program, graph = self._programs.pop(scale, (None, None))
             if program is None:
@@ -144,7 +146,7 @@ class Plan:
             self._programs[scale] = (program, graph)  # most recent last
             while len(self._programs) > SCALES_PER_PLAN:
                 self._programs.pop(next(iter(self._programs)))
-            if self.stream is None:
+            if self.stream is None or per_thread:
                 self._done.record(stream)
                 self._last_stream = stream.ptr
             if stream.ptr != current.ptr:

@@ -48,6 +48,7 @@ def main():
             constants.data.ptr + 4, pointers[2], R_32F, n, 1, COMPUTE_32F_FAST_TF32)
 
     first, second = gemm(args.rows[0], D, 0), gemm(args.rows[1], 2 * D, 1)
+    cupy.cuda.Device().synchronize()  # the operands and tables, made on the default stream, are written
     forked, joined = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
 
     def two_lanes():

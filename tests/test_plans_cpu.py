@@ -447,13 +447,15 @@ def test_a_plan_without_a_stream_lets_its_last_replay_finish_before_another_stre
     assert not any(e[0] == "wait" for e in gpu[mark:])
 
 
-def test_calls_on_the_per_thread_default_stream_always_wait_for_the_last_replay(gpu):
+@pytest.mark.parametrize("through", ["plan", "cross_attention_backward"])  # the cache's plans have a fixed stream
+def test_calls_on_the_per_thread_default_stream_always_wait_for_the_last_replay(gpu, through):
     import cupy_xattn
     plan = cupy_xattn.plan(1, 64, 77, hidden_size=128, num_heads=2)
+    call = plan if through == "plan" else functools.partial(cupy_xattn.cross_attention_backward, num_heads=2)
     for _ in range(2):  # on two threads, the same handle would be two different streams
         with FakeStream(gpu, 2):  # cudaStreamPerThread
             mark = len(gpu)
-            plan(**_inputs(1, 64, 77))
+            call(**_inputs(1, 64, 77))
     wait = next(i for i in range(mark, len(gpu)) if gpu[i][:2] == ("wait", 2))
     copy = next(i for i in range(mark, len(gpu)) if gpu[i][0] == "copy")
     stream, recorded = _last_record(gpu, gpu[wait][2], wait)
@@ -493,7 +495,8 @@ def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with
             bad = FakeArray(a.shape, ptr=everything[j].data.ptr)
         everything[i] = bad
     arrays, out = everything[:11], (everything[11:] or None)
-    num_heads = data.draw(st.sampled_from([heads, heads + 1]), label="num_heads")
+    num_heads = data.draw(st.sampled_from([heads, heads + 1, numpy.int64(heads), numpy.uint8(heads), 0]),
+                          label="num_heads")
     scale = data.draw(st.sampled_from([None, 0.5, 2, -1.0, float("inf"), True]), label="scale")
     options = dict(scale=scale, num_heads=num_heads, precision="tf32", backend="cupy")
     fast = checks.fast_validate(arrays, **options, out=out)
@@ -503,8 +506,9 @@ def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with
     except (TypeError, ValueError):
         assert fast is None
         return
+    assert type(problem.num_heads) is int  # NumPy integers as ints: size products cannot wrap
     if fast is not None:
-        assert fast[0] == problem
+        assert fast[0] == problem and type(fast[0].num_heads) is int
         assert fast[1] == [a.data.ptr for a in arrays + (out or [])]
 
 
