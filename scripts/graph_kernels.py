@@ -84,20 +84,21 @@ def trace(call, reps, listing=False):
             events = json.load(f)["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset"))
-    replays, current = [], []
+    replays, current, reach = [], [], 0.0  # reach: the latest end in the current replay so far
     for kernel in kernels:
-        if current and kernel[0] - max(end for _, end, _ in current) > 1000:
+        if current and kernel[0] - reach > 1000:
             replays.append(current)
             current = []
+        reach = max(reach, kernel[1]) if current else kernel[1]
         current.append(kernel)
     replays.append(current)
     rows = []
     for replay in replays:
-        span = max(end for _, end, _ in replay) - replay[0][0]
         busy, reach = 0.0, replay[0][0]
         for start, end, _ in replay:
             busy += max(0.0, end - max(start, reach))
             reach = max(reach, end)
+        span = reach - replay[0][0]
         total = sum(end - start for start, end, _ in replay)
         rows.append((span, busy, span - busy, 100 * (span - busy) / span, total, span / total, len(replay)))
     span, busy, gaps, share, total, ratio, count = (float(numpy.median(column)) for column in zip(*rows))
