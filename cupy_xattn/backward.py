@@ -325,14 +325,15 @@ class Backward:
         gemm = self._gemm
 
         self._fork()
-        gemm(["video_latents"], ["query_weight"], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
+        # Q0 = X Wq^T and dO = dY (Wo^T)^T have the same shape: one batched GEMM, twice the tiles
+        # of either (the small cases' single GEMMs fill one wave at a third of the tensor rate).
+        step("Wo^T", Transposed(at("output_weight"), 1, addr(self._wo_t), d, d), 0)
+        gemm(["video_latents", "grad_output"], ["query_weight", addr(self._wo_t)], [addr(self._q0), addr(self._dout)],
+             m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
         gemm(["text_embeddings"] * 2, ["key_weight", "value_weight"], [addr(self._kv0), addr(self._kv0, 4 * d)],
              m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
         step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
                                                 addr(self._wqkv_t), d, d), 1)  # dX and dT read them
-        step("Wo^T", Transposed(at("output_weight"), 1, addr(self._wo_t), d, d), 2)
-        gemm(["grad_output"], [addr(self._wo_t)], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d,
-             trans_b=True, lane=2)
         self._join()
         self._record_attention()
         # Beside the attention (issued after the join, so it does not wait for them); only their own
