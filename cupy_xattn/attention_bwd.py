@@ -42,11 +42,17 @@ def streamed_block_kv(num_text_tokens, precision, head_dim=64):
     return WIDE_BLOCK_KV if wide else BLOCK_KV
 
 
+def operand_bytes(precision):
+    """Bytes of one operand in the kernels' shared memory: fp32 for the fp32 mode's 3xTF32 split,
+    fp16 (with per-tile power-of-two scales, ATTN_HALF) for tf32 and fp16."""
+    return 4 if precision == "fp32" else 2
+
+
 def kernel_choice(num_text_tokens, precision, head_dim=64):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim.
 
-    Shared memory, rows padded by 8 floats: Q and dO tiles, K and V (one tile, or all keys), and
+    Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
     the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
     (batch, head) pair: each extra chunk costs a dK/dV partial to reduce. head_dim 128 always
     streams (the resident kernel's dK/dV accumulators would double), two blocks per SM.
@@ -54,10 +60,10 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
-        smem = 4 * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
+        smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
-    smem = 4 * (2 * BLOCK_Q * row + 2 * kv * row + BLOCK_Q * (kv + 8))
+    smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + BLOCK_Q * (kv + 8))
     blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
 
@@ -101,7 +107,8 @@ class AttentionBackward:
     Parameters
     ----------
     problem : checks.Problem
-    precision : "fp32" (3xTF32 products) or "tf32"/"fp16" (TF32 products).
+    precision : "fp32" (3xTF32 products) or "tf32"/"fp16" (fp16 operands with per-tile power-of-two
+        scales: the significands of TF32, kernels_cu/attention_common.cuh).
     sm_count : multiprocessors of the GPU, for the grid.
     o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
     """
@@ -124,7 +131,8 @@ class AttentionBackward:
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
         block_kv = streamed_block_kv(problem.num_text_tokens, precision, problem.head_dim) if not keys else BLOCK_KV
         defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": block_kv, "ATTN_HEAD_DIM": problem.head_dim,
-                   "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_KEYS": keys,
+                   "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
+                   "ATTN_KEYS": keys,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed)}
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:

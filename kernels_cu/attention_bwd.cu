@@ -44,8 +44,9 @@
 // fragment loads of later k steps and spilled 450–600 bytes a thread (NVRTC 13, 255 registers).
 // Unrolled by 2 it spills nothing (255 registers on the H200's NVRTC) and is faster than not
 // unrolled (tf32 64x128x77 155 → 142 µs; fp32 unchanged). The streamed kernel is faster fully
-// unrolled (331 vs 364 µs).
-#define ATTN_UNROLL_K (ATTN_KEYS ? 2 : 16)
+// unrolled (331 vs 364 µs). With fp16 operands (half the k steps, ldmatrix fragments) the
+// resident kernel unrolls fully without spilling, and gains ~1 µs on the suite mean.
+#define ATTN_UNROLL_K (ATTN_KEYS && !ATTN_HALF ? 2 : 16)
 #include "attention_common.cuh"
 
 namespace {
@@ -69,9 +70,28 @@ struct TransposedTiles {
 
 template <int KEYS>
 __device__ __forceinline__ void transposed_products(float (&hi)[TransposedTiles<KEYS>::N][4],
-                                                    float (&lo)[TransposedTiles<KEYS>::N][4], const float* p_s,
-                                                    int ld_p, const float* b_s, int warp, int g, int t) {
+                                                    float (&lo)[TransposedTiles<KEYS>::N][4], const operand_t* p_s,
+                                                    int ld_p, const operand_t* b_s, int warp, int g, int t) {
     using T = TransposedTiles<KEYS>;
+#if ATTN_HALF
+    // k steps of 16 query rows; A = P^T (or dS^T) and B = dO (or Q) by transposing ldmatrix, B for
+    // column tiles n and n + 1 at once (with an odd NPW, the last pair's second tile is read, from
+    // the next warp's columns or the row's padding, and not used).
+    const int lane = g * 4 + t;
+#pragma unroll kUnrollK
+    for (int k = 0; k < ATTN_BLOCK_Q; k += 16) {
+        unsigned b[(T::NPW + 1) / 2][4];
+#pragma unroll
+        for (int n = 0; n < T::NPW; n += 2) ldsm_x4<true, true>(b[n / 2], b_s, LD_HD, k, (warp * T::NPW + n) * 8, lane);
+#pragma unroll
+        for (int kt = 0; kt < T::KT; ++kt) {
+            unsigned a[4];
+            ldsm_x4<false, true>(a, p_s, ld_p, k, kt * 16, lane);  // A(key, row) = M[row][key]
+#pragma unroll
+            for (int n = 0; n < T::NPW; ++n) mma_f16(hi[kt * T::NPW + n], a, b[n / 2] + 2 * (n % 2));
+        }
+    }
+#else
 #pragma unroll kUnrollK
     for (int k = 0; k < ATTN_BLOCK_Q; k += 8) {
         float b[T::NPW][2];
@@ -85,14 +105,15 @@ __device__ __forceinline__ void transposed_products(float (&hi)[TransposedTiles<
             for (int n = 0; n < T::NPW; ++n) mma(hi[kt * T::NPW + n], lo[kt * T::NPW + n], a, b[n]);
         }
     }
+#endif
 }
 
-// dst[kv rows × head_dim] (+)= A^T·B for one streamed key tile (see transposed_products).
-// When accumulating, the old values are all loaded before the products, so their global-memory
-// latency overlaps the arithmetic.
+// dst[kv rows × head_dim] (+)= f·A^T·B for one streamed key tile (see transposed_products; f undoes
+// the operand scales). When accumulating, the old values are all loaded before the products, so
+// their global-memory latency overlaps the arithmetic.
 __device__ __forceinline__ void block_transposed_product(float* dst, long long ld_dst, int kv0, int n_text,
-                                                         bool accumulate, const float* p_s, const float* b_s,
-                                                         int warp, int g, int t) {
+                                                         bool accumulate, const operand_t* p_s,
+                                                         const operand_t* b_s, float f, int warp, int g, int t) {
     using T = TransposedTiles<ATTN_BLOCK_KV>;
     // Element (row g + 8·half, column 2t) of this warp's tile j in dst; null past the last key.
     auto at = [&](int j, int half) -> float2* {
@@ -117,7 +138,7 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             if (float2* p = at(j, half))
-                *p = make_float2(old[j][half].x + c[j][2 * half], old[j][half].y + c[j][2 * half + 1]);
+                *p = make_float2(old[j][half].x + f * c[j][2 * half], old[j][half].y + f * c[j][2 * half + 1]);
 }
 
 // The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
@@ -185,11 +206,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
          int ld_o, int tiles_per_chunk, float scale) {
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
-    float* q_s = reinterpret_cast<float*>(smem4);          // [ATTN_BLOCK_Q][LD_HD]
-    float* do_s = q_s + ATTN_BLOCK_Q * LD_HD;               // [ATTN_BLOCK_Q][LD_HD]
-    float* k_s = do_s + ATTN_BLOCK_Q * LD_HD;               // [ATTN_BLOCK_KV][LD_HD]
-    float* v_s = k_s + ATTN_BLOCK_KV * LD_HD;               // [ATTN_BLOCK_KV][LD_HD]
-    float* p_s = v_s + ATTN_BLOCK_KV * LD_HD;               // [ATTN_BLOCK_Q][LD_KV]: P, then dS
+    operand_t* q_s = reinterpret_cast<operand_t*>(smem4);  // [ATTN_BLOCK_Q][LD_HD]
+    operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
+    operand_t* k_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
+    operand_t* v_s = k_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
+    operand_t* p_s = v_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_Q][LD_KV]: P, then dS
+    __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V, dS
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
@@ -220,25 +242,29 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
         __syncthreads();  // the previous tile's readers of q_s / do_s are done
-        load_tile<ATTN_BLOCK_Q>(q_s, hs.q, hidden, q_row0, n_video, bq);
-        load_tile<ATTN_BLOCK_Q>(do_s, hs.dout, hidden, q_row0, n_video, nullptr);
+        RunScale q_scale, do_scale;
+        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, bq, red[0], q_scale, do_s, hs.dout, nullptr, red[1], do_scale, hidden, q_row0,
+                                 n_video);
+        const float s_q = q_scale.s, s_do = do_scale.s;
 
         // ---- pass 1: online softmax → log-sum-exp (log2 units), O, and D = rowsum(P ∘ dP) ----
         // D is taken from the same dP products that pass 2 uses (not from dO ∘ O), so each row
         // of dS sums to zero up to rounding: with D from O, the mismatch between the rounding
         // of O and of dP becomes a systematic error in dQ, dWq, dbq and dbk.
         float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
-        float o_acc[NT_HD][4];
+        float o_acc[NT_HD][4];  // at the scale P_SCALE·v_run.s of the latest tile's operands
         zero<NT_HD>(o_acc);
+        RunScale v_run;
 
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
-            load_tile<ATTN_BLOCK_KV>(k_s, hs.k, ld_kv, kv0, n_text, bk);
-            load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
+            RunScale k_scale;
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_run, ld_kv, kv0, n_text);
             __syncthreads();
             float s[NT_KV][4], dp[NT_KV][4];
-            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2, g, t);
+            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2 / (s_q * k_scale.s), g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
+            scale_all<NT_KV>(dp, 1.f / (s_do * v_run.s));
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -250,8 +276,9 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
                 l_run[h] = l_run[h] * corr[h] + sum;
                 d_run[h] = d_run[h] * corr[h] + dot;
             }
-            scale_rows<NT_HD>(o_acc, corr);
-            store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
+            const float o_corr[2] = {corr[0] * v_run.ratio, corr[1] * v_run.ratio};
+            scale_rows<NT_HD>(o_acc, o_corr);
+            store_acc<NT_KV>(p_s, LD_KV, r0, s, P_SCALE, g, t);
             __syncwarp();
             rows_times_add<ATTN_BLOCK_KV>(o_acc, p_s, LD_KV, v_s, r0, g, t);  // O += P V
             __syncwarp();
@@ -263,8 +290,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         for (int h = 0; h < 2; ++h) {
             const float l = quad_sum(l_run[h]);
             lse[h] = m_run[h] + log2f(l);
-            const float inv_l = 1.f / l;
-            d_row[h] = quad_sum(d_run[h]) * inv_l;
+            const float inv_l = 1.f / l / (P_SCALE * v_run.s);
+            d_row[h] = quad_sum(d_run[h]) / l;
 #pragma unroll
             for (int n = 0; n < NT_HD; ++n) {
                 o_acc[n][2 * h] *= inv_l;
@@ -274,17 +301,18 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
-        float dq_acc[NT_HD][4];
+        float dq_acc[NT_HD][4];  // at the scale ds_run.s·k_run.s of the latest tile's operands
         zero<NT_HD>(dq_acc);
+        RunScale k_run, ds_run;
         const bool accumulate = qt != tile_begin;
 
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
-            load_tile<ATTN_BLOCK_KV>(k_s, hs.k, ld_kv, kv0, n_text, bk);
-            load_tile<ATTN_BLOCK_KV>(v_s, hs.v, ld_kv, kv0, n_text, bv);
+            RunScale v_scale;
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_run, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0, n_text);
             __syncthreads();
             float p[NT_KV][4];
-            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, scale_log2, g, t);
+            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, scale_log2 / (s_q * k_run.s), g, t);
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
@@ -292,24 +320,39 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
             float dp[NT_KV][4];
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
+            scale_all<NT_KV>(dp, 1.f / (s_do * v_scale.s));
+            store_acc<NT_KV>(p_s, LD_KV, r0, p, P_SCALE, g, t);
 
-            // dV = P^T dO for this key tile, over the block's query rows.
-            store_acc<NT_KV>(p_s, LD_KV, r0, p, g, t);
-            __syncthreads();
-            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, warp, g, t);
-            __syncthreads();
-
-            // dS = P ∘ (dP − D) · scale, reusing the dp registers.
+            // dS = P ∘ (dP − D) · scale, reusing the dp registers; its block maximum in red[4].
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
-            store_acc<NT_KV>(p_s, LD_KV, r0, dp, g, t);
+            if (ATTN_HALF) {
+                float amax = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, finite_abs(dp[n][i]));
+                publish_max(red[4], amax);
+            }
             __syncthreads();
-            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, warp, g, t);
+
+            // dV = P^T dO for this key tile, over the block's query rows.
+            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, 1.f / (P_SCALE * s_do),
+                                     warp, g, t);
+            ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
+            const float dq_ratio = ds_run.ratio * k_run.ratio;
+            if (dq_ratio != 1.f) scale_all<NT_HD>(dq_acc, dq_ratio);  // block-uniform
+            __syncthreads();
+            store_acc<NT_KV>(p_s, LD_KV, r0, dp, ds_run.s, g, t);
+            __syncthreads();
+            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, 1.f / (ds_run.s * s_q), warp,
+                                     g, t);
 
             rows_times_add<ATTN_BLOCK_KV>(dq_acc, p_s, LD_KV, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
         }
+        scale_all<NT_HD>(dq_acc, 1.f / ds_run.s / k_run.s);
 
         store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
     }
@@ -340,11 +383,12 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
     constexpr int PER_WARP = Tiles::N;
     extern __shared__ float4 smem4[];
-    float* k_s = reinterpret_cast<float*>(smem4);  // [NK][LD_HD]
-    float* v_s = k_s + NK * LD_HD;                  // [NK][LD_HD]
-    float* q_s = v_s + NK * LD_HD;                  // [ATTN_BLOCK_Q][LD_HD]
-    float* do_s = q_s + ATTN_BLOCK_Q * LD_HD;       // [ATTN_BLOCK_Q][LD_HD]
-    float* p_s = do_s + ATTN_BLOCK_Q * LD_HD;       // [ATTN_BLOCK_Q][LD_P]: P, then dS
+    operand_t* k_s = reinterpret_cast<operand_t*>(smem4);  // [NK][LD_HD]
+    operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
+    operand_t* q_s = v_s + NK * LD_HD;                      // [ATTN_BLOCK_Q][LD_HD]
+    operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
+    operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P, then dS
+    __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of K, V, Q, dO, dS
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
@@ -353,14 +397,19 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     const int r0 = warp * 16;
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
-    load_tile<NK>(k_s, hs.k, ld_kv, 0, n_text, biases[1] + col);
-    load_tile<NK>(v_s, hs.v, ld_kv, 0, n_text, biases[2] + col);
+    RunScale k_scale, v_scale;
+    load_tiles<NK>(k_s, hs.k, biases[1] + col, red[0], k_scale, v_s, hs.v, biases[2] + col, red[1], v_scale, ld_kv, 0,
+                   n_text);
+    const float s_k = k_scale.s, s_v = v_scale.s;
 
+    // dK and dV accumulate over the query tiles at the latest tile's operand scales,
+    // ds_run.s·q_run.s and P_SCALE·do_run.s (attention_common.cuh).
     float dk_acc[PER_WARP][4], dv_acc[PER_WARP][4];
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
+    RunScale q_run, do_run, ds_run;
     // acc += A^T B for this warp's tiles (A = P or dS in p_s, B = dO or Q).
-    auto add_transposed = [&](float (&acc)[PER_WARP][4], const float* b_s) {
+    auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* b_s) {
         accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
             transposed_products<NK>(hi, lo, p_s, LD_P, b_s, warp, g, t);
         });
@@ -372,13 +421,15 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
         __syncthreads();  // the previous tile's readers of q_s, do_s and p_s are done
-        load_tile<ATTN_BLOCK_Q>(q_s, hs.q, hidden, q_row0, n_video, biases[0] + col);
-        load_tile<ATTN_BLOCK_Q>(do_s, hs.dout, hidden, q_row0, n_video, nullptr);
+        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, biases[0] + col, red[2], q_run, do_s, hs.dout, nullptr, red[3], do_run,
+                                 hidden, q_row0, n_video);
+        if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform
+        const float s_q = q_run.s, s_do = do_run.s;
         __syncthreads();
 
         // P = softmax(S) exactly, from the whole row.
         float p[NT_K][4];
-        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, scale_log2, g, t);
+        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, scale_log2 / (s_q * s_k), g, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = neg_inf();
@@ -401,17 +452,19 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             }
         }
         // O = P V first: fewer registers are live than while dP is held too.
-        store_acc<NT_K>(p_s, LD_P, r0, p, g, t);
+        store_acc<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t);
         __syncwarp();
         {
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
             rows_times_add<NK>(o_acc, p_s, LD_P, v_s, r0, g, t);
+            scale_all<NT_HD>(o_acc, 1.f / (P_SCALE * s_v));
             store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];
         rows_times_t<NT_K>(dp, do_s, v_s, r0, g, t);
+        scale_all<NT_K>(dp, 1.f / (s_do * s_v));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float dot = 0.f;
@@ -424,19 +477,33 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         for (int n = 0; n < NT_K; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
-        __syncthreads();  // all rows of P are in p_s
+        if (ATTN_HALF) {
+            float amax = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) amax = fmaxf(amax, finite_abs(dp[n][i]));
+            publish_max(red[4], amax);
+        }
+        __syncthreads();  // all rows of P are in p_s (and dS's block maximum in red[4])
         add_transposed(dv_acc, do_s);  // dV += P^T dO
+        ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
+        const float dk_ratio = ds_run.ratio * q_run.ratio;
+        if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
         __syncthreads();  // every warp is done reading P
-        store_acc<NT_K>(p_s, LD_P, r0, dp, g, t);
+        store_acc<NT_K>(p_s, LD_P, r0, dp, ds_run.s, g, t);
         __syncthreads();
         add_transposed(dk_acc, q_s);  // dK += dS^T Q
         {
             float dq_acc[NT_HD][4];
             zero<NT_HD>(dq_acc);
             rows_times_add<NK>(dq_acc, p_s, LD_P, k_s, r0, g, t);  // dQ = dS K
+            scale_all<NT_HD>(dq_acc, 1.f / (ds_run.s * s_k));
             store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
     }
+    scale_all<PER_WARP>(dk_acc, 1.f / ds_run.s / q_run.s);
+    scale_all<PER_WARP>(dv_acc, 1.f / P_SCALE / do_run.s);
 
     // This chunk's dK and dV (rows past n_text are padding).
 #pragma unroll

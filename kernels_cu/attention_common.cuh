@@ -4,6 +4,10 @@
 // Matrix products use mma.sync m16n8k8 TF32 with fp32 accumulation. ATTN_SPLIT3 = 1 gives the
 // fp32 mode: each operand x = big + small (big = x truncated to TF32, small = the remainder; see
 // split_tf32()), and a·b is big·big + big·small + small·big, which restores about fp32 accuracy.
+// ATTN_HALF = 1 (the tf32 and fp16 modes) keeps the operands in shared memory as fp16 instead,
+// each tile scaled by a power of two (operand scales, below), and multiplies with mma.sync
+// m16n8k16 on ldmatrix fragments: the same 11-bit significands as TF32, half the products and
+// a fifth of the shared-memory load instructions.
 // A block of ATTN_THREADS threads works on ATTN_BLOCK_Q query rows; each warp owns 16 rows.
 // ATTN_UNROLL_K (default 16, full) is the unrolling of the k loops of the warp products.
 
@@ -22,13 +26,18 @@
 #ifndef ATTN_UNROLL_K
 #define ATTN_UNROLL_K 16
 #endif
+#ifndef ATTN_HALF
+#define ATTN_HALF 0
+#endif
+static_assert(!(ATTN_HALF && ATTN_SPLIT3), "the fp16 operands and the 3xTF32 split are two builds");
 
 #define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
 constexpr int kUnrollK = ATTN_UNROLL_K;
-// Row strides in shared memory, in floats. Stride ≡ 8 (mod 32) makes the [row t][col g] fragment
-// reads of a warp (load_b, load_a_trans) hit 32 different banks; the [row g][col t] reads
-// (load_a, load_b_trans) are then 2-way conflicts (rows g and g + 4 share banks). No stride serves
-// both orders: fragment-ordered layouts (or ldmatrix) would.
+// Row strides in shared memory, in operands. fp32: stride ≡ 8 (mod 32) makes the [row t][col g]
+// fragment reads of a warp (load_b, load_a_trans) hit 32 different banks; the [row g][col t]
+// reads (load_a, load_b_trans) are then 2-way conflicts (rows g and g + 4 share banks). No stride
+// serves both orders. fp16: rows of an odd number of 16-byte units, so the eight 16-byte rows
+// that ldmatrix reads at once fall in distinct banks.
 #define LD_HD (ATTN_HEAD_DIM + 8)
 #define LD_KV (ATTN_BLOCK_KV + 8)
 
@@ -37,6 +46,12 @@ static_assert(ATTN_BLOCK_KV % 16 == 0, "key/value tiles are whole 16-row mma til
 static_assert(ATTN_HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
 
 namespace {
+
+#if ATTN_HALF
+typedef unsigned short operand_t;  // fp16 bits
+#else
+typedef float operand_t;
+#endif
 
 // −∞ without <cmath> (NVRTC has no toolkit headers by default).
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -54,6 +69,40 @@ __device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+#if ATTN_HALF
+__device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// fp16 of lo in the low half, of hi in the high half (round to nearest).
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The four 8×8 blocks of the fp16 matrix M[row0, +16) × [col0, +16) as ldmatrix.x4 fragments
+// (TRANS: each block transposed), in the order (rows 0–7, cols 0–7), (8–15, 0–7), (0–7, 8–15),
+// (8–15, 8–15) with ROWS_FIRST, else (0–7, 0–7), (0–7, 8–15), (8–15, 0–7), (8–15, 8–15).
+// Lane l gives the address of one 16-byte row: lanes 8i..8i+7 the rows of block i.
+template <bool ROWS_FIRST, bool TRANS>
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const operand_t* m, int ld, int row0, int col0, int lane) {
+    const int row = ROWS_FIRST ? lane & 15 : (lane & 7) + (lane >> 4) * 8;
+    const int col = ROWS_FIRST ? (lane >> 4) * 8 : (lane >> 3 & 1) * 8;
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(m + (row0 + row) * ld + col0 + col));
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+}
+#endif
 
 // x = big + small, exactly: big = x with the 13 low mantissa bits cleared (a TF32 value) and
 // small = x − big (exact in fp32, |small| < 2^-10·|x|). small goes to the tensor cores as it is:
@@ -104,6 +153,71 @@ __device__ __forceinline__ float to_operand(float x) {
     return x;
 #else
     return __uint_as_float(tf32_bits(x));
+#endif
+}
+
+// Operand scales (ATTN_HALF). fp16 keeps full precision only in [2^-14, 65504], so each tile
+// written to shared memory as operands is stored as half(x·s), s = 2^k putting the block's
+// largest finite |x| in [2^13, 2^14): nothing overflows, and elements down to 2^-28 of the largest
+// keep 11 significant bits. A product is divided by its operands' scales (exact: powers of two).
+// A product summed over several tiles (dK, dV over query tiles; O, dQ over key tiles) is kept at
+// the scale of the latest tile, multiplied by new / old when that changes (RunScale). Inf and NaN
+// are left out of the maxima and stored as they are, so they still reach the results.
+// P (in [0, 1]) is stored at the fixed scale P_SCALE. In the fp32 builds every scale is 1.
+constexpr float kNoScale = 8.50705917e37f;  // 2^126, the largest scale pow2_scale() gives
+#if ATTN_HALF
+constexpr float P_SCALE = 16384.f;
+#else
+constexpr float P_SCALE = 1.f;
+#endif
+
+// 2^(140 − E), E the biased exponent of amax (≥ 0, finite) raised to at least 14: amax·s < 2^14.
+__device__ __forceinline__ float pow2_scale(float amax) {
+    const int e = max(static_cast<int>(__float_as_uint(amax) >> 23), 14);
+    return __uint_as_float(static_cast<unsigned>(267 - e) << 23);
+}
+
+__device__ __forceinline__ float finite_abs(float x) {
+    const float a = fabsf(x);
+    return a < __int_as_float(0x7f800000) ? a : 0.f;
+}
+
+// The block's scale in two halves around a __syncthreads: each warp leaves the max of its
+// threads' m in red[warp]; after the barrier every thread reads the scale of the block's max.
+// A red slot is written again only after a later barrier that follows every read.
+__device__ __forceinline__ void publish_max(float* red, float m) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+}
+__device__ __forceinline__ float read_scale(const float* red) {
+    float m = red[0];
+#pragma unroll
+    for (int w = 1; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+    return pow2_scale(m);
+}
+
+// The scale s to store the tiles of a run at, whose products are summed: update() takes the next
+// tile's own scale and sets s to it, but to at most 2^30 times the least own scale of the run (so
+// the sum, kept at the latest tile's scale, stays below ~2^100: a tile 2^30 smaller than the
+// largest before it loses bits instead), and ratio = new s / old s, what the sum so far must be
+// multiplied by. A single tile is a run of one.
+struct RunScale {
+    float s = kNoScale, least = kNoScale, ratio = 1.f;
+    __device__ __forceinline__ void update(float own) {
+        least = fminf(least, own);
+        const float next = fminf(own, least * 1073741824.f);
+        ratio = next / s;
+        s = next;
+    }
+};
+
+// Two consecutive operands x0·s, x1·s (an aligned pair).
+__device__ __forceinline__ void store_pair(operand_t* p, float x0, float x1, float s) {
+#if ATTN_HALF
+    *reinterpret_cast<unsigned*>(p) = pack_half2(x0 * s, x1 * s);
+#else
+    *reinterpret_cast<float2*>(p) = make_float2(to_operand(x0 * s), to_operand(x1 * s));
 #endif
 }
 
@@ -162,46 +276,110 @@ __device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld,
     b[1] = m[(n0 + g) * ld + k0 + t + 4];
 }
 
-// Copy rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns into shared memory, adding a bias
-// (may be null); rows at or past n_valid become zeros so padded rows contribute nothing.
-// Every load of a thread is issued before the first store: one global-memory latency per
-// tile instead of one per row group (the stores to shared memory would otherwise wait).
+// Rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns on their way into shared memory:
+// load() reads them from global memory into registers, adding a bias (may be null), with rows at
+// or past n_valid as zeros so padded rows contribute nothing, and their largest finite |x|;
+// store() writes them times s as operands. Every load of a thread is issued before the first
+// store: one global-memory latency per tile (two tiles loaded before either is stored share one).
 template <int ROWS>
-__device__ __forceinline__ void load_tile(float* dst, const float* __restrict__ src, long long ld_src,
-                                          int row0, int n_valid, const float* __restrict__ bias) {
-    constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, N = ROWS * VEC_PER_ROW;
-    constexpr int PER_THREAD = (N + ATTN_THREADS - 1) / ATTN_THREADS;
+struct TileIn {
+    static constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, R_STEP = ATTN_THREADS / VEC_PER_ROW;
+    static constexpr int PER_THREAD = (ROWS * VEC_PER_ROW + ATTN_THREADS - 1) / ATTN_THREADS;
     static_assert(ATTN_THREADS % VEC_PER_ROW == 0, "a thread keeps its column across its rows");
-    const int c = (threadIdx.x % VEC_PER_ROW) * 4, r_first = threadIdx.x / VEC_PER_ROW;
-    constexpr int R_STEP = ATTN_THREADS / VEC_PER_ROW;
     float4 v[PER_THREAD];
+    float amax;
+
+    __device__ __forceinline__ int col() const { return (threadIdx.x % VEC_PER_ROW) * 4; }
+    __device__ __forceinline__ int row(int j) const { return threadIdx.x / VEC_PER_ROW + j * R_STEP; }
+
+    __device__ __forceinline__ void load(const float* __restrict__ src, long long ld_src, int row0, int n_valid,
+                                         const float* __restrict__ bias) {
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-        const int r = r_first + j * R_STEP;
-        v[j] = (r < ROWS && row0 + r < n_valid)
-                   ? *reinterpret_cast<const float4*>(src + (long long)(row0 + r) * ld_src + c)
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    const float4 b = bias ? *reinterpret_cast<const float4*>(bias + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = 0; j < PER_THREAD; ++j)
+            v[j] = (row(j) < ROWS && row0 + row(j) < n_valid)
+                       ? *reinterpret_cast<const float4*>(src + (long long)(row0 + row(j)) * ld_src + col())
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 b = bias ? *reinterpret_cast<const float4*>(bias + col()) : make_float4(0.f, 0.f, 0.f, 0.f);
+        amax = 0.f;
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-        const int r = r_first + j * R_STEP;
-        if (r >= ROWS) break;
-        const bool valid = row0 + r < n_valid;
-        const float4 x = v[j];
-        *reinterpret_cast<float4*>(dst + r * LD_HD + c) =
-            valid ? make_float4(to_operand(x.x + b.x), to_operand(x.y + b.y), to_operand(x.z + b.z),
-                                to_operand(x.w + b.w))
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = 0; j < PER_THREAD; ++j) {
+            if (row(j) < ROWS && row0 + row(j) < n_valid) {
+                v[j] = make_float4(v[j].x + b.x, v[j].y + b.y, v[j].z + b.z, v[j].w + b.w);
+                amax = fmaxf(fmaxf(amax, fmaxf(finite_abs(v[j].x), finite_abs(v[j].y))),
+                             fmaxf(finite_abs(v[j].z), finite_abs(v[j].w)));
+            }
+        }
     }
+
+    __device__ __forceinline__ void store(operand_t* dst, float s) const {
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            if (row(j) >= ROWS) break;
+            store_pair(dst + row(j) * LD_HD + col(), v[j].x, v[j].y, s);
+            store_pair(dst + row(j) * LD_HD + col() + 2, v[j].z, v[j].w, s);
+        }
+    }
+};
+
+// Two tiles into shared memory (TileIn), stored at the scales their runs give them (RunScale),
+// the tiles' own found over one __syncthreads (publish_max); 1 in the fp32 builds, with no barrier.
+template <int ROWS>
+__device__ __forceinline__ void load_tiles(operand_t* dst_a, const float* src_a, const float* bias_a, float* red_a,
+                                           RunScale& run_a, operand_t* dst_b, const float* src_b, const float* bias_b,
+                                           float* red_b, RunScale& run_b, long long ld_src, int row0, int n_valid) {
+    TileIn<ROWS> a, b;
+    a.load(src_a, ld_src, row0, n_valid, bias_a);
+    b.load(src_b, ld_src, row0, n_valid, bias_b);
+#if ATTN_HALF
+    publish_max(red_a, a.amax);
+    publish_max(red_b, b.amax);
+    __syncthreads();
+    run_a.update(read_scale(red_a));
+    run_b.update(read_scale(red_b));
+#else
+    run_a.update(1.f);
+    run_b.update(1.f);
+#endif
+    a.store(dst_a, run_a.s);
+    b.store(dst_b, run_b.s);
+}
+
+// One tile, as stored by the forward kernel (fp32 builds only: no operand scale).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(operand_t* dst, const float* __restrict__ src, long long ld_src, int row0,
+                                          int n_valid, const float* __restrict__ bias) {
+    static_assert(!ATTN_HALF, "fp16 operands need their scales: load_tiles");
+    TileIn<ROWS> a;
+    a.load(src, ld_src, row0, n_valid, bias);
+    a.store(dst, 1.f);
 }
 
 // The k loop of this warp's products A·B over K: A = its 16 rows of a_s ([rows][ld_a]), B = b_s
 // (row stride LD_HD) read as [K][NT·8] or, with B_TRANS, as [NT·8][K]; mma(hi[n], lo[n], …) for
 // each of the NT column tiles. rows_times_t and rows_times_add give it their accumulators.
 template <int NT, int K, bool B_TRANS>
-__device__ __forceinline__ void rows_products(float hi[NT][4], float lo[NT][4], const float* a_s, int ld_a,
-                                              const float* b_s, int r0, int g, int t) {
+__device__ __forceinline__ void rows_products(float hi[NT][4], float lo[NT][4], const operand_t* a_s, int ld_a,
+                                              const operand_t* b_s, int r0, int g, int t) {
+#if ATTN_HALF
+    // k steps of 16; the B fragments of column tiles n and n + 1 come from one ldmatrix.x4.
+    static_assert(NT % 2 == 0 && K % 16 == 0, "whole 16 × 16 operand blocks");
+    const int lane = g * 4 + t;
+#pragma unroll kUnrollK
+    for (int k = 0; k < K; k += 16) {
+        unsigned a[4];
+        ldsm_x4<true, false>(a, a_s, ld_a, r0, k, lane);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned b[4];
+            if (B_TRANS)
+                ldsm_x4<false, false>(b, b_s, LD_HD, n * 8, k, lane);  // B(k, n) = M[n][k]
+            else
+                ldsm_x4<true, true>(b, b_s, LD_HD, k, n * 8, lane);  // B(k, n) = M[k][n]
+            mma_f16(hi[n], a, b);
+            mma_f16(hi[n + 1], a, b + 2);
+        }
+    }
+#else
 #pragma unroll kUnrollK
     for (int k = 0; k < K; k += 8) {
         float a[4];
@@ -216,13 +394,14 @@ __device__ __forceinline__ void rows_products(float hi[NT][4], float lo[NT][4], 
             mma(hi[n], lo[n], a, b);
         }
     }
+#endif
 }
 
 // c = A B^T for this warp's 16 rows of A (a_s) and the first NT·8 rows of B (b_s), both
 // row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T.
 template <int NT>
-__device__ __forceinline__ void rows_times_t(float c[NT][4], const float* a_s, const float* b_s, int r0, int g,
-                                             int t) {
+__device__ __forceinline__ void rows_times_t(float c[NT][4], const operand_t* a_s, const operand_t* b_s, int r0,
+                                             int g, int t) {
     float c_lo[NT][4];
     zero<NT>(c);
     zero<NT>(c_lo);
@@ -250,18 +429,19 @@ __device__ __forceinline__ void accumulate(float (&acc)[NT][4], Products product
 // acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and B (v_s or
 // k_s: [K][head_dim]): O += P V and dQ += dS K.
 template <int K>
-__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const float* p_s, int ld_p,
-                                               const float* b_s, int r0, int g, int t) {
+__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const operand_t* p_s, int ld_p,
+                                               const operand_t* b_s, int r0, int g, int t) {
     constexpr int NT = ATTN_HEAD_DIM / 8;
     accumulate<NT>(acc, [&](float (&hi)[NT][4], float (&lo)[NT][4]) {
         rows_products<NT, K, false>(hi, lo, p_s, ld_p, b_s, r0, g, t);
     });
 }
 
-// S for NT·8 keys from kv0, scaled to log2 units, keys past n_text masked to −inf.
+// S for NT·8 keys from kv0, scaled to log2 units (scale_log2 includes 1 / the operand scales),
+// keys past n_text masked to −inf.
 template <int NT>
-__device__ __forceinline__ void score_tile(float s[NT][4], const float* q_s, const float* k_s, int r0, int kv0,
-                                           int n_text, float scale_log2, int g, int t) {
+__device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s, const operand_t* k_s, int r0,
+                                           int kv0, int n_text, float scale_log2, int g, int t) {
     rows_times_t<NT>(s, q_s, k_s, r0, g, t);
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -274,16 +454,22 @@ __device__ __forceinline__ void score_tile(float s[NT][4], const float* q_s, con
     }
 }
 
-// Store a warp's 16-row accumulator tile (C layout) to shared memory, as mma operands.
+// Store a warp's 16-row accumulator tile (C layout) times s to shared memory, as mma operands.
 template <int NT>
-__device__ __forceinline__ void store_acc(float* m, int ld, int r0, const float c[NT][4], int g, int t) {
+__device__ __forceinline__ void store_acc(operand_t* m, int ld, int r0, const float c[NT][4], float s, int g,
+                                          int t) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        *reinterpret_cast<float2*>(m + (r0 + g) * ld + n * 8 + 2 * t) =
-            make_float2(to_operand(c[n][0]), to_operand(c[n][1]));
-        *reinterpret_cast<float2*>(m + (r0 + g + 8) * ld + n * 8 + 2 * t) =
-            make_float2(to_operand(c[n][2]), to_operand(c[n][3]));
+        store_pair(m + (r0 + g) * ld + n * 8 + 2 * t, c[n][0], c[n][1], s);
+        store_pair(m + (r0 + g + 8) * ld + n * 8 + 2 * t, c[n][2], c[n][3], s);
     }
+}
+
+// Multiply a warp's accumulator tile by f.
+template <int NT>
+__device__ __forceinline__ void scale_all(float c[NT][4], float f) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) c[n][0] *= f, c[n][1] *= f, c[n][2] *= f, c[n][3] *= f;
 }
 
 __device__ __forceinline__ float quad_max(float x) {

@@ -50,7 +50,7 @@ attn_fwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             l_run[h] = l_run[h] * corr[h] + sum;  // per-thread partial, summed over the quad at the end
         }
         scale_rows<NT_HD>(o_acc, corr);
-        store_acc<NT_KV>(p_s, LD_KV, r0, s, g, t);
+        store_acc<NT_KV>(p_s, LD_KV, r0, s, 1.f, g, t);
         __syncwarp();
         rows_times_add<ATTN_BLOCK_KV>(o_acc, p_s, LD_KV, v_s, r0, g, t);  // O += P V
         __syncwarp();

@@ -55,3 +55,69 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         size = max(numpy.abs(ref).max(), 1e-9 * scale_dq) if n_text > 1 else scale_dq
         errors[name] = float(numpy.abs(got.reshape(ref.shape) - ref).max() / size)
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 211)])
+@pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge and tiny operands", "tiles apart"])
+def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_text, magnitudes):
+    # The tf32/fp16 build stores operand tiles as fp16 scaled by powers of two chosen per tile
+    # (attention_common.cuh): gradients of 1e-9 would vanish in plain fp16, Q of 1e5 overflow it;
+    # tiles of dO and V 2^40 and 2^12 apart make the tiles' scales differ, so the dK, dV, O and dQ
+    # accumulators change scale between tiles. The scores keep their usual size: a much sharper
+    # softmax would make dQ and dK ill-conditioned in any precision (which key wins flips with
+    # the rounding of S).
+    import cupy
+    heads, hidden = 16, 1024
+    rng = numpy.random.default_rng(7)
+    q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
+    kv0 = rng.standard_normal((batch_size * n_text, 2 * hidden), dtype=numpy.float32)
+    dout = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
+
+    def spread(a, tile, octaves):  # a factor per tile of rows, and rows within a tile ±1 octave apart
+        exponents = numpy.repeat(rng.uniform(*octaves, -(-len(a) // tile)), tile)[:len(a)] + rng.uniform(-1, 1, len(a))
+        a *= numpy.exp2(exponents).astype(numpy.float32)[:, None]
+
+    if magnitudes == "tiny gradients":
+        dout *= numpy.float32(1e-9)
+    elif magnitudes == "huge and tiny operands":
+        q0 *= numpy.float32(2.0 ** 17)
+        kv0[:, :hidden] *= numpy.float32(2.0 ** -17)
+        kv0[:, hidden:] *= numpy.float32(2.0 ** 20)
+    else:
+        spread(dout, 64, (-30, 10))
+        spread(q0, 64, (-2, 0))
+        spread(kv0[:, hidden:], 32, (-8, 4))
+    zero = numpy.zeros(hidden, numpy.float32)
+    problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
+    o, dq, dkv = (cupy.full(a.shape, numpy.nan, numpy.float32) for a in (q0, q0, kv0))
+    biases = [cupy.asarray(zero) for _ in range(3)]
+    bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
+    sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+    kernel = attention_bwd.AttentionBackward(problem, "tf32", sm_count)
+    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv)
+
+    f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
+    q, do = f64(q0, n_video), f64(dout, n_video)
+    k, v = f64(kv0[:, :hidden], n_text), f64(kv0[:, hidden:], n_text)
+    ref_o = reference.attention(q, k, v, 0.125, num_heads=heads)
+    ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads)
+    # Componentwise error bounds: each result element against the sum of the magnitudes of the
+    # terms it adds up, |A|·|B|; for dS = P ∘ (dP − D)·scale the terms are P·(|dP| + |D|)·scale.
+    # Rounding the operands to 11 significant bits (TF32 or fp16) gives errors of a few 2^-11 of that.
+    split = lambda a: a.reshape(batch_size, -1, heads, 64).swapaxes(1, 2)  # noqa: E731
+    merge = lambda a: a.swapaxes(1, 2).reshape(batch_size, a.shape[2], hidden)  # noqa: E731
+    qh, kh, vh, doh = map(split, (q, k, v, do))
+    p = reference.attention_probabilities(q, k, 0.125, num_heads=heads)
+    dp = doh @ vh.swapaxes(-1, -2)
+    terms = 0.125 * p * (numpy.abs(dp) + numpy.abs((p * dp).sum(axis=-1, keepdims=True)))
+    bounds = {"O": p @ numpy.abs(vh), "dQ": terms @ numpy.abs(kh), "dK": terms.swapaxes(-1, -2) @ numpy.abs(qh),
+              "dV": p.swapaxes(-1, -2) @ numpy.abs(doh)}
+    got_dkv = cupy.asnumpy(dkv).reshape(batch_size, n_text, 2 * hidden)
+    got = {"O": cupy.asnumpy(o), "dQ": cupy.asnumpy(dq), "dK": got_dkv[..., :hidden], "dV": got_dkv[..., hidden:]}
+    refs = {"O": ref_o, "dQ": ref_dq, "dK": ref_dk, "dV": ref_dv}
+    errors = {}
+    for name, ref in refs.items():
+        result = got[name].reshape(ref.shape)
+        assert numpy.isfinite(result).all(), name
+        errors[name] = float((numpy.abs(result - ref) / merge(bounds[name])).max())
+    assert all(e <= 1e-2 for e in errors.values()), errors  # about 20 roundings

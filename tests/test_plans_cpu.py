@@ -187,6 +187,10 @@ def gpu(monkeypatch):
         full=lambda shape, value, dtype=numpy.float32: FakeArray(shape, dtype),
         array=_fake_array)
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    # Modules a real CuPy left half-imported (lazily) would now import against the fake, e.g. when
+    # hypothesis reads every loaded module's constants.
+    for name in [name for name in sys.modules if name.split(".")[0] == "cupyx"]:
+        monkeypatch.delitem(sys.modules, name)
     runtime_module = types.ModuleType("cupy_backends.cuda.api.runtime")
     runtime_module.CUDARuntimeError = FakeRuntimeError
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api.runtime", runtime_module)
@@ -496,8 +500,10 @@ def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with
             bad = FakeArray(a.shape, ptr=everything[j].data.ptr)
         everything[i] = bad
     arrays, out = everything[:11], (everything[11:] or None)
-    num_heads = data.draw(st.sampled_from([heads, heads + 1, numpy.int64(heads), numpy.uint8(heads), 0]),
-                          label="num_heads")
+    # Drawn by index: sampled_from over values that compare equal (3, int64(3), uint8(3)) replayed
+    # its choices inconsistently (hypothesis's FlakyStrategyDefinition).
+    num_heads = [heads, heads + 1, numpy.int64(heads), numpy.uint8(heads), 0][
+        data.draw(st.integers(0, 4), label="num_heads (index)")]
     scale = data.draw(st.sampled_from([None, 0.5, 2, -1.0, float("inf"), True]), label="scale")
     options = dict(scale=scale, num_heads=num_heads, precision="tf32", backend="cupy")
     fast = checks.fast_validate(arrays, **options, out=out)
@@ -809,8 +815,8 @@ def test_streamed_key_tiles_are_wide_where_they_add_no_padding(nt, precision, he
     assert attention_bwd.streamed_block_kv(nt, precision, head_dim) == block_kv
     name, keys, rows, smem, blocks = attention_bwd.kernel_choice(nt, precision, head_dim)
     assert (name, keys, rows) == ("attn_bwd", 0, 64)
-    # Q, dO, K, V tiles of head_dim + 8 floats a row, P of block_kv + 8 (attn_bwd's carve-up), in bytes:
-    # 64 keys at head_dim 64 is 90 KiB, two blocks per SM; 32 keys 64 KiB, three.
-    assert smem == {(64, 64): 92160, (64, 32): 65536, (128, 32): 4 * (2 * 64 * 136 + 2 * 32 * 136 + 64 * 40)}[
-        head_dim, block_kv]
+    # Q, dO, K, V tiles of head_dim + 8 operands a row, P of block_kv + 8 (attn_bwd's carve-up): fp32
+    # operands in the fp32 mode, fp16 in the others. 64 keys at head_dim 64 is 45 KiB of fp16.
+    operands = {(64, 64): 23040, (64, 32): 16384, (128, 32): 2 * 64 * 136 + 2 * 32 * 136 + 64 * 40}[head_dim, block_kv]
+    assert smem == operands * (4 if precision == "fp32" else 2)
     assert blocks == (3 if (precision, head_dim, block_kv) == ("tf32", 64, 32) else 2)
