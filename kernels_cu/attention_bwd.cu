@@ -141,6 +141,22 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
                 *p = make_float2(old[j][half].x + f * c[j][2 * half], old[j][half].y + f * c[j][2 * half + 1]);
 }
 
+// dS = P ∘ (dP − D) · scale for a warp's 16 rows (D of rows g and g + 8 in d_row), in place of dP;
+// with fp16 operands each warp leaves its largest |dS| in red (publish_max) for dS's scale.
+template <int NT>
+__device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4], const float d_row[2], float scale,
+                                            float* red) {
+    float amax = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
+            amax = fmaxf(amax, finite_abs(dp[n][i]));
+        }
+    if (ATTN_HALF) publish_max(red, amax);
+}
+
 // The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
 // batch, and its own slice of the dK/dV partials.
 struct HeadSlices {
@@ -323,19 +339,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             scale_all<NT_KV>(dp, 1.f / (s_do * v_scale.s));
             store_acc<NT_KV>(p_s, LD_KV, r0, p, P_SCALE, g, t);
 
-            // dS = P ∘ (dP − D) · scale, reusing the dp registers; its block maximum in red[4].
-#pragma unroll
-            for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
-            if (ATTN_HALF) {
-                float amax = 0.f;
-#pragma unroll
-                for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, finite_abs(dp[n][i]));
-                publish_max(red[4], amax);
-            }
+            score_grads<NT_KV>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers
             __syncthreads();
 
             // dV = P^T dO for this key tile, over the block's query rows.
@@ -472,19 +476,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             for (int n = 0; n < NT_K; ++n) dot += p[n][2 * h] * dp[n][2 * h] + p[n][2 * h + 1] * dp[n][2 * h + 1];
             d_row[h] = quad_sum(dot);
         }
-        // dS = P ∘ (dP − D) · scale, reusing the dp registers (P is not needed in registers after).
-#pragma unroll
-        for (int n = 0; n < NT_K; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
-        if (ATTN_HALF) {
-            float amax = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_K; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) amax = fmaxf(amax, finite_abs(dp[n][i]));
-            publish_max(red[4], amax);
-        }
+        score_grads<NT_K>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers (P is not needed there after)
         __syncthreads();  // all rows of P are in p_s (and dS's block maximum in red[4])
         add_transposed(dv_acc, do_s);  // dV += P^T dO
         ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
