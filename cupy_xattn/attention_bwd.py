@@ -137,9 +137,10 @@ class AttentionBackward:
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
-            # All of the unified L1/shared storage as shared memory: the default split measured
-            # on the H200 left room for fewer blocks than the shared memory allows.
-            self._main.preferred_shared_memory_carveout = 100
+        # All of the unified L1/shared storage as shared memory: the default split measured on the
+        # H200 left room for fewer blocks than the shared memory allows (also below 48 KiB, as the
+        # fp16 operands' tiles are).
+        self._main.preferred_shared_memory_carveout = 100
         self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines)
         n_text_rows = problem.batch_size * problem.num_text_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)

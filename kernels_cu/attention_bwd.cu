@@ -16,9 +16,9 @@
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
-//                     dK and dV rows come out 0 (every row of dkv_part is still written). The
-//                     streamed kernel skips key tiles wholly past them; the padded K, V rows of
-//                     the last tile are still read and multiplied by 0: they must be finite
+//                     dK and dV rows come out 0 (every row of dkv_part is still written). Their K
+//                     and V rows are not read (loaded as zeros: they cannot set an operand scale or
+//                     bring an Inf in); the streamed kernel skips key tiles wholly past them
 //
 // Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
 // [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
@@ -275,12 +275,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
             RunScale k_scale;
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_run, ld_kv, kv0, n_text);
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_run, ld_kv, kv0, n_keys);
             __syncthreads();
             float s[NT_KV][4], dp[NT_KV][4];
-            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2 / (s_q * k_scale.s), g, t);
+            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2 / s_q / k_scale.s, g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
-            scale_all<NT_KV>(dp, 1.f / (s_do * v_run.s));
+            scale_all<NT_KV>(dp, 1.f / s_do / v_run.s);
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -306,7 +306,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         for (int h = 0; h < 2; ++h) {
             const float l = quad_sum(l_run[h]);
             lse[h] = m_run[h] + log2f(l);
-            const float inv_l = 1.f / l / (P_SCALE * v_run.s);
+            const float inv_l = 1.f / l / P_SCALE / v_run.s;
             d_row[h] = quad_sum(d_run[h]) / l;
 #pragma unroll
             for (int n = 0; n < NT_HD; ++n) {
@@ -325,10 +325,10 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             __syncthreads();
             RunScale v_scale;
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_run, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0, n_text);
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_run, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0, n_keys);
             __syncthreads();
             float p[NT_KV][4];
-            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, scale_log2 / (s_q * k_run.s), g, t);
+            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, scale_log2 / s_q / k_run.s, g, t);
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
@@ -336,14 +336,14 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
             float dp[NT_KV][4];
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
-            scale_all<NT_KV>(dp, 1.f / (s_do * v_scale.s));
+            scale_all<NT_KV>(dp, 1.f / s_do / v_scale.s);
             store_acc<NT_KV>(p_s, LD_KV, r0, p, P_SCALE, g, t);
 
             score_grads<NT_KV>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers
             __syncthreads();
 
             // dV = P^T dO for this key tile, over the block's query rows.
-            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, 1.f / (P_SCALE * s_do),
+            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, 1.f / P_SCALE / s_do,
                                      warp, g, t);
             ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
             const float dq_ratio = ds_run.ratio * k_run.ratio;
@@ -351,7 +351,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             __syncthreads();
             store_acc<NT_KV>(p_s, LD_KV, r0, dp, ds_run.s, g, t);
             __syncthreads();
-            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, 1.f / (ds_run.s * s_q), warp,
+            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, 1.f / ds_run.s / s_q, warp,
                                      g, t);
 
             rows_times_add<ATTN_BLOCK_KV>(dq_acc, p_s, LD_KV, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
@@ -403,7 +403,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     const long long ld_kv = 2LL * hidden;
     RunScale k_scale, v_scale;
     load_tiles<NK>(k_s, hs.k, biases[1] + col, red[0], k_scale, v_s, hs.v, biases[2] + col, red[1], v_scale, ld_kv, 0,
-                   n_text);
+                   n_keys);
     const float s_k = k_scale.s, s_v = v_scale.s;
 
     // dK and dV accumulate over the query tiles at the latest tile's operand scales,
@@ -433,7 +433,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 
         // P = softmax(S) exactly, from the whole row.
         float p[NT_K][4];
-        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, scale_log2 / (s_q * s_k), g, t);
+        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, scale_log2 / s_q / s_k, g, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = neg_inf();
@@ -462,13 +462,13 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
             rows_times_add<NK>(o_acc, p_s, LD_P, v_s, r0, g, t);
-            scale_all<NT_HD>(o_acc, 1.f / (P_SCALE * s_v));
+            scale_all<NT_HD>(o_acc, 1.f / P_SCALE / s_v);
             store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];
         rows_times_t<NT_K>(dp, do_s, v_s, r0, g, t);
-        scale_all<NT_K>(dp, 1.f / (s_do * s_v));
+        scale_all<NT_K>(dp, 1.f / s_do / s_v);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float dot = 0.f;
@@ -490,7 +490,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             float dq_acc[NT_HD][4];
             zero<NT_HD>(dq_acc);
             rows_times_add<NK>(dq_acc, p_s, LD_P, k_s, r0, g, t);  // dQ = dS K
-            scale_all<NT_HD>(dq_acc, 1.f / (ds_run.s * s_k));
+            scale_all<NT_HD>(dq_acc, 1.f / ds_run.s / s_k);
             store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
     }

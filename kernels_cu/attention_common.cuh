@@ -212,12 +212,20 @@ struct RunScale {
     }
 };
 
-// Two consecutive operands x0·s, x1·s (an aligned pair).
+// Two (store_pair) or four (store_quad) consecutive operands x·s, aligned to their size.
 __device__ __forceinline__ void store_pair(operand_t* p, float x0, float x1, float s) {
 #if ATTN_HALF
     *reinterpret_cast<unsigned*>(p) = pack_half2(x0 * s, x1 * s);
 #else
     *reinterpret_cast<float2*>(p) = make_float2(to_operand(x0 * s), to_operand(x1 * s));
+#endif
+}
+__device__ __forceinline__ void store_quad(operand_t* p, float4 x, float s) {
+#if ATTN_HALF
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_half2(x.x * s, x.y * s), pack_half2(x.z * s, x.w * s));
+#else
+    *reinterpret_cast<float4*>(p) =
+        make_float4(to_operand(x.x * s), to_operand(x.y * s), to_operand(x.z * s), to_operand(x.w * s));
 #endif
 }
 
@@ -315,8 +323,7 @@ struct TileIn {
 #pragma unroll
         for (int j = 0; j < PER_THREAD; ++j) {
             if (row(j) >= ROWS) break;
-            store_pair(dst + row(j) * LD_HD + col(), v[j].x, v[j].y, s);
-            store_pair(dst + row(j) * LD_HD + col() + 2, v[j].z, v[j].w, s);
+            store_quad(dst + row(j) * LD_HD + col(), v[j], s);
         }
     }
 };

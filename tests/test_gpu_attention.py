@@ -58,14 +58,15 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 
 
 @pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 211)])
-@pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge and tiny operands", "tiles apart"])
+@pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge and tiny operands", "tiles apart", "huge padding"])
 def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_text, magnitudes):
     # The tf32/fp16 build stores operand tiles as fp16 scaled by powers of two chosen per tile
-    # (attention_common.cuh): gradients of 1e-9 would vanish in plain fp16, Q of 1e5 overflow it;
-    # tiles of dO and V 2^40 and 2^12 apart make the tiles' scales differ, so the dK, dV, O and dQ
-    # accumulators change scale between tiles. The scores keep their usual size: a much sharper
-    # softmax would make dQ and dK ill-conditioned in any precision (which key wins flips with
-    # the rounding of S).
+    # (attention_common.cuh): gradients of 1e-31 would vanish in plain fp16 (and the product of
+    # their scale and V's overflows fp32), Q of 1e5 overflow it; tiles of dO and V 2^40 and 2^12
+    # apart make the tiles' scales differ, so the dK, dV, O and dQ accumulators change scale
+    # between tiles; keys past a sample's text length of 1e12 must not set the scale of the rest.
+    # The scores keep their usual size: a much sharper softmax would make dQ and dK
+    # ill-conditioned in any precision (which key wins flips with the rounding of S).
     import cupy
     heads, hidden = 16, 1024
     rng = numpy.random.default_rng(7)
@@ -77,16 +78,20 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
         exponents = numpy.repeat(rng.uniform(*octaves, -(-len(a) // tile)), tile)[:len(a)] + rng.uniform(-1, 1, len(a))
         a *= numpy.exp2(exponents).astype(numpy.float32)[:, None]
 
+    lengths = numpy.full(batch_size, n_text, numpy.int32)
     if magnitudes == "tiny gradients":
-        dout *= numpy.float32(1e-9)
+        dout *= numpy.float32(1e-31)
     elif magnitudes == "huge and tiny operands":
         q0 *= numpy.float32(2.0 ** 17)
         kv0[:, :hidden] *= numpy.float32(2.0 ** -17)
         kv0[:, hidden:] *= numpy.float32(2.0 ** 20)
-    else:
+    elif magnitudes == "tiles apart":
         spread(dout, 64, (-30, 10))
         spread(q0, 64, (-2, 0))
         spread(kv0[:, hidden:], 32, (-8, 4))
+    else:
+        lengths[0] = n_text - 20
+        kv0[lengths[0]:n_text] *= numpy.float32(1e12)
     zero = numpy.zeros(hidden, numpy.float32)
     problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
     o, dq, dkv = (cupy.full(a.shape, numpy.nan, numpy.float32) for a in (q0, q0, kv0))
@@ -94,20 +99,21 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     kernel = attention_bwd.AttentionBackward(problem, "tf32", sm_count)
-    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv)
+    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
+           cupy.asarray(lengths))
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q, do = f64(q0, n_video), f64(dout, n_video)
     k, v = f64(kv0[:, :hidden], n_text), f64(kv0[:, hidden:], n_text)
-    ref_o = reference.attention(q, k, v, 0.125, num_heads=heads)
-    ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads)
+    ref_o = reference.attention(q, k, v, 0.125, num_heads=heads, text_lengths=lengths)
+    ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads, text_lengths=lengths)
     # Componentwise error bounds: each result element against the sum of the magnitudes of the
     # terms it adds up, |A|·|B|; for dS = P ∘ (dP − D)·scale the terms are P·(|dP| + |D|)·scale.
     # Rounding the operands to 11 significant bits (TF32 or fp16) gives errors of a few 2^-11 of that.
     split = lambda a: a.reshape(batch_size, -1, heads, 64).swapaxes(1, 2)  # noqa: E731
     merge = lambda a: a.swapaxes(1, 2).reshape(batch_size, a.shape[2], hidden)  # noqa: E731
     qh, kh, vh, doh = map(split, (q, k, v, do))
-    p = reference.attention_probabilities(q, k, 0.125, num_heads=heads)
+    p = reference.attention_probabilities(q, k, 0.125, num_heads=heads, text_lengths=lengths)
     dp = doh @ vh.swapaxes(-1, -2)
     terms = 0.125 * p * (numpy.abs(dp) + numpy.abs((p * dp).sum(axis=-1, keepdims=True)))
     bounds = {"O": p @ numpy.abs(vh), "dQ": terms @ numpy.abs(kh), "dK": terms.swapaxes(-1, -2) @ numpy.abs(qh),
@@ -119,5 +125,6 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
     for name, ref in refs.items():
         result = got[name].reshape(ref.shape)
         assert numpy.isfinite(result).all(), name
-        errors[name] = float((numpy.abs(result - ref) / merge(bounds[name])).max())
+        error, bound = numpy.abs(result - ref), merge(bounds[name])  # bound 0: padded keys' dK, dV rows are 0
+        errors[name] = float(numpy.where(bound > 0, error / numpy.where(bound > 0, bound, 1), (error > 0) * 1e9).max())
     assert all(e <= 1e-2 for e in errors.values()), errors  # about 20 roundings
