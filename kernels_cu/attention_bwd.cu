@@ -108,12 +108,13 @@ __device__ __forceinline__ void transposed_products(float (&hi)[TransposedTiles<
 #endif
 }
 
-// dst[kv rows × head_dim] (+)= f·A^T·B for one streamed key tile (see transposed_products; f undoes
-// the operand scales). When accumulating, the old values are all loaded before the products, so
-// their global-memory latency overlaps the arithmetic.
+// dst[kv rows × head_dim] (+)= A^T·B / s1 / s2 for one streamed key tile (see transposed_products;
+// s1, s2: the operand scales, see unscale). When accumulating, the old values are all loaded
+// before the products, so their global-memory latency overlaps the arithmetic.
 __device__ __forceinline__ void block_transposed_product(float* dst, long long ld_dst, int kv0, int n_text,
                                                          bool accumulate, const operand_t* p_s,
-                                                         const operand_t* b_s, float f, int warp, int g, int t) {
+                                                         const operand_t* b_s, float s1, float s2, int warp, int g,
+                                                         int t) {
     using T = TransposedTiles<ATTN_BLOCK_KV>;
     // Element (row g + 8·half, column 2t) of this warp's tile j in dst; null past the last key.
     auto at = [&](int j, int half) -> float2* {
@@ -133,12 +134,13 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
     zero<T::N>(c_lo);
     transposed_products<ATTN_BLOCK_KV>(c, c_lo, p_s, LD_KV, b_s, warp, g, t);
     fold<T::N>(c, c_lo);
+    unscale<T::N>(c, s1, s2);
 #pragma unroll
     for (int j = 0; j < T::N; ++j)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             if (float2* p = at(j, half))
-                *p = make_float2(old[j][half].x + f * c[j][2 * half], old[j][half].y + f * c[j][2 * half + 1]);
+                *p = make_float2(old[j][half].x + c[j][2 * half], old[j][half].y + c[j][2 * half + 1]);
 }
 
 // dS = P ∘ (dP − D) · scale for a warp's 16 rows (D of rows g and g + 8 in d_row), in place of dP;
@@ -280,7 +282,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             float s[NT_KV][4], dp[NT_KV][4];
             score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2 / s_q / k_scale.s, g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
-            scale_all<NT_KV>(dp, 1.f / s_do / v_run.s);
+            unscale<NT_KV>(dp, s_do, v_run.s);
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -306,14 +308,15 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         for (int h = 0; h < 2; ++h) {
             const float l = quad_sum(l_run[h]);
             lse[h] = m_run[h] + log2f(l);
-            const float inv_l = 1.f / l / P_SCALE / v_run.s;
-            d_row[h] = quad_sum(d_run[h]) / l;
+            const float inv_l = 1.f / l;
+            d_row[h] = quad_sum(d_run[h]) * inv_l;
 #pragma unroll
             for (int n = 0; n < NT_HD; ++n) {
                 o_acc[n][2 * h] *= inv_l;
                 o_acc[n][2 * h + 1] *= inv_l;
             }
         }
+        unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
         store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
@@ -336,14 +339,14 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
             float dp[NT_KV][4];
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
-            scale_all<NT_KV>(dp, 1.f / s_do / v_scale.s);
+            unscale<NT_KV>(dp, s_do, v_scale.s);
             store_acc<NT_KV>(p_s, LD_KV, r0, p, P_SCALE, g, t);
 
             score_grads<NT_KV>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers
             __syncthreads();
 
             // dV = P^T dO for this key tile, over the block's query rows.
-            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, 1.f / P_SCALE / s_do,
+            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, P_SCALE, s_do,
                                      warp, g, t);
             ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
             const float dq_ratio = ds_run.ratio * k_run.ratio;
@@ -351,12 +354,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             __syncthreads();
             store_acc<NT_KV>(p_s, LD_KV, r0, dp, ds_run.s, g, t);
             __syncthreads();
-            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, 1.f / ds_run.s / s_q, warp,
+            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, ds_run.s, s_q, warp,
                                      g, t);
 
             rows_times_add<ATTN_BLOCK_KV>(dq_acc, p_s, LD_KV, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
         }
-        scale_all<NT_HD>(dq_acc, 1.f / ds_run.s / k_run.s);
+        unscale<NT_HD>(dq_acc, ds_run.s, k_run.s);
 
         store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
     }
@@ -462,13 +465,13 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
             rows_times_add<NK>(o_acc, p_s, LD_P, v_s, r0, g, t);
-            scale_all<NT_HD>(o_acc, 1.f / P_SCALE / s_v);
+            unscale<NT_HD>(o_acc, P_SCALE, s_v);
             store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];
         rows_times_t<NT_K>(dp, do_s, v_s, r0, g, t);
-        scale_all<NT_K>(dp, 1.f / s_do / s_v);
+        unscale<NT_K>(dp, s_do, s_v);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float dot = 0.f;
@@ -490,12 +493,12 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             float dq_acc[NT_HD][4];
             zero<NT_HD>(dq_acc);
             rows_times_add<NK>(dq_acc, p_s, LD_P, k_s, r0, g, t);  // dQ = dS K
-            scale_all<NT_HD>(dq_acc, 1.f / ds_run.s / s_k);
+            unscale<NT_HD>(dq_acc, ds_run.s, s_k);
             store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
     }
-    scale_all<PER_WARP>(dk_acc, 1.f / ds_run.s / q_run.s);
-    scale_all<PER_WARP>(dv_acc, 1.f / P_SCALE / do_run.s);
+    unscale<PER_WARP>(dk_acc, ds_run.s, q_run.s);
+    unscale<PER_WARP>(dv_acc, P_SCALE, do_run.s);
 
     // This chunk's dK and dV (rows past n_text are padding).
 #pragma unroll

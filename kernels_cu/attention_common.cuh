@@ -479,6 +479,15 @@ __device__ __forceinline__ void scale_all(float c[NT][4], float f) {
     for (int n = 0; n < NT; ++n) c[n][0] *= f, c[n][1] *= f, c[n][2] *= f, c[n][3] *= f;
 }
 
+// Divide a product by its operands' scales s1 and s2, one after the other: CuPy compiles with
+// -ftz=true, and 1 / (s1·s2) falls below fp32's normal range (to 0) for operands below ~2^-100
+// (gradients of 1e-31), where each 1 / s alone (≥ 2^-126) and the results are still normal.
+template <int NT>
+__device__ __forceinline__ void unscale(float c[NT][4], float s1, float s2) {
+    scale_all<NT>(c, 1.f / s1);
+    scale_all<NT>(c, 1.f / s2);
+}
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
