@@ -261,8 +261,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         const int q_row0 = qt * ATTN_BLOCK_Q;
         __syncthreads();  // the previous tile's readers of q_s / do_s are done
         RunScale q_scale, do_scale;
-        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, bq, red[0], q_scale, do_s, hs.dout, nullptr, red[1], do_scale, hidden, q_row0,
-                                 n_video);
+        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, bq, red[0], q_scale, do_s, hs.dout, nullptr, red[1], do_scale, hidden,
+                                 q_row0, n_video);
         const float s_q = q_scale.s, s_do = do_scale.s;
 
         // ---- pass 1: online softmax → log-sum-exp (log2 units), O, and D = rowsum(P ∘ dP) ----
@@ -280,7 +280,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_run, ld_kv, kv0, n_keys);
             __syncthreads();
             float s[NT_KV][4], dp[NT_KV][4];
-            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, scale_log2 / s_q / k_scale.s, g, t);
+            score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_scale.s), g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
             unscale<NT_KV>(dp, s_do, v_run.s);
             float corr[2];
@@ -331,7 +331,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_run, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0, n_keys);
             __syncthreads();
             float p[NT_KV][4];
-            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, scale_log2 / s_q / k_run.s, g, t);
+            score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_run.s), g, t);
 #pragma unroll
             for (int n = 0; n < NT_KV; ++n)
 #pragma unroll
@@ -436,7 +436,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 
         // P = softmax(S) exactly, from the whole row.
         float p[NT_K][4];
-        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, scale_log2 / s_q / s_k, g, t);
+        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, score_factor(scale_log2, s_q, s_k), g, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = neg_inf();

@@ -479,13 +479,22 @@ __device__ __forceinline__ void scale_all(float c[NT][4], float f) {
     for (int n = 0; n < NT; ++n) c[n][0] *= f, c[n][1] *= f, c[n][2] *= f, c[n][3] *= f;
 }
 
-// Divide a product by its operands' scales s1 and s2, one after the other: CuPy compiles with
-// -ftz=true, and 1 / (s1·s2) falls below fp32's normal range (to 0) for operands below ~2^-100
-// (gradients of 1e-31), where each 1 / s alone (≥ 2^-126) and the results are still normal.
+// scale_log2 / (s_q·s_k), the factor of score_tile: by the smaller scale first, so that a normal
+// result does not pass below the normal range midway (tiny Q with huge K; see unscale).
+__device__ __forceinline__ float score_factor(float scale_log2, float s_q, float s_k) {
+    return scale_log2 / fminf(s_q, s_k) / fmaxf(s_q, s_k);
+}
+
+// Divide a product by its operands' scales s1 and s2 (powers of two) as two factors 2^-e1 and
+// 2^-e2 with e1 + e2 = log2(s1·s2) and e1 ≈ e2, each within fp32's normal range, the partial
+// result always between the product and the result. CuPy compiles with -ftz=true: one factor
+// 1/(s1·s2) flushed to 0 for gradients of 1e-31, and 1/s1 then 1/s2 overflowed midway for 1e34.
 template <int NT>
 __device__ __forceinline__ void unscale(float c[NT][4], float s1, float s2) {
-    scale_all<NT>(c, 1.f / s1);
-    scale_all<NT>(c, 1.f / s2);
+    const int e = static_cast<int>(__float_as_uint(s1) >> 23) + static_cast<int>(__float_as_uint(s2) >> 23) - 254;
+    const int e1 = e / 2;  // |e| ≤ 252: both halves in [-126, 126]
+    scale_all<NT>(c, __uint_as_float(static_cast<unsigned>(127 - e1) << 23));
+    scale_all<NT>(c, __uint_as_float(static_cast<unsigned>(127 - (e - e1)) << 23));
 }
 
 __device__ __forceinline__ float quad_max(float x) {

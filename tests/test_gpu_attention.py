@@ -58,13 +58,15 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 
 
 @pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 211)])
-@pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge and tiny operands", "tiles apart", "huge padding"])
+@pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge gradients", "huge and tiny operands", "tiny Q, huge K",
+                                        "tiles apart", "huge padding"])
 def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_text, magnitudes):
     # The tf32/fp16 build stores operand tiles as fp16 scaled by powers of two chosen per tile
-    # (attention_common.cuh): gradients of 1e-31 would vanish in plain fp16 (and the product of
-    # their scale and V's overflows fp32), Q of 1e5 overflow it; tiles of dO and V 2^40 and 2^12
-    # apart make the tiles' scales differ, so the dK, dV, O and dQ accumulators change scale
-    # between tiles; keys past a sample's text length of 1e12 must not set the scale of the rest.
+    # (attention_common.cuh): gradients of 1e-31 would vanish in plain fp16, Q of 1e5 overflow it;
+    # the products are unscaled under CuPy's -ftz=true without flushing (1e-31, Q of 1e-34) or
+    # overflowing (1e34) midway; tiles of dO and V 2^40 and 2^12 apart make the tiles' scales
+    # differ, so the dK, dV, O and dQ accumulators change scale between tiles; keys past a
+    # sample's text length of 1e12 must not set the scale of the rest.
     # The scores keep their usual size: a much sharper softmax would make dQ and dK
     # ill-conditioned in any precision (which key wins flips with the rounding of S).
     import cupy
@@ -81,6 +83,11 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
     lengths = numpy.full(batch_size, n_text, numpy.int32)
     if magnitudes == "tiny gradients":
         dout *= numpy.float32(1e-31)
+    elif magnitudes == "huge gradients":
+        dout *= numpy.float32(1e34)
+    elif magnitudes == "tiny Q, huge K":
+        q0 *= numpy.float32(1e-34)
+        kv0[:, :hidden] *= numpy.float32(1e34)
     elif magnitudes == "huge and tiny operands":
         q0 *= numpy.float32(2.0 ** 17)
         kv0[:, :hidden] *= numpy.float32(2.0 ** -17)
