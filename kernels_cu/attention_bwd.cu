@@ -156,7 +156,7 @@ __device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4
             dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
             amax = fmaxf(amax, finite_abs(dp[n][i]));
         }
-    if (ATTN_HALF) publish_max(red, amax);
+    publish_max(red, amax);
 }
 
 // The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
@@ -348,7 +348,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             // dV = P^T dO for this key tile, over the block's query rows.
             block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, P_SCALE, s_do,
                                      warp, g, t);
-            ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
+            ds_run.update(read_scale(red[4]));
             const float dq_ratio = ds_run.ratio * k_run.ratio;
             if (dq_ratio != 1.f) scale_all<NT_HD>(dq_acc, dq_ratio);  // block-uniform
             __syncthreads();
@@ -482,7 +482,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         score_grads<NT_K>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers (P is not needed there after)
         __syncthreads();  // all rows of P are in p_s (and dS's block maximum in red[4])
         add_transposed(dv_acc, do_s);  // dV += P^T dO
-        ds_run.update(ATTN_HALF ? read_scale(red[4]) : 1.f);
+        ds_run.update(read_scale(red[4]));
         const float dk_ratio = ds_run.ratio * q_run.ratio;
         if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
         __syncthreads();  // every warp is done reading P

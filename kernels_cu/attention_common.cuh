@@ -184,17 +184,24 @@ __device__ __forceinline__ float finite_abs(float x) {
 
 // The block's scale in two halves around a __syncthreads: each warp leaves the max of its
 // threads' m in red[warp]; after the barrier every thread reads the scale of the block's max.
-// A red slot is written again only after a later barrier that follows every read.
+// A red slot is written again only after a later barrier that follows every read. In the fp32
+// builds nothing is published and the scale is 1.
 __device__ __forceinline__ void publish_max(float* red, float m) {
+#if ATTN_HALF
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+#endif
 }
 __device__ __forceinline__ float read_scale(const float* red) {
+#if ATTN_HALF
     float m = red[0];
 #pragma unroll
     for (int w = 1; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
     return pow2_scale(m);
+#else
+    return 1.f;
+#endif
 }
 
 // The scale s to store the tiles of a run at, whose products are summed: update() takes the next
@@ -337,16 +344,11 @@ __device__ __forceinline__ void load_tiles(operand_t* dst_a, const float* src_a,
     TileIn<ROWS> a, b;
     a.load(src_a, ld_src, row0, n_valid, bias_a);
     b.load(src_b, ld_src, row0, n_valid, bias_b);
-#if ATTN_HALF
     publish_max(red_a, a.amax);
     publish_max(red_b, b.amax);
-    __syncthreads();
+    if (ATTN_HALF) __syncthreads();
     run_a.update(read_scale(red_a));
     run_b.update(read_scale(red_b));
-#else
-    run_a.update(1.f);
-    run_b.update(1.f);
-#endif
     a.store(dst_a, run_a.s);
     b.store(dst_b, run_b.s);
 }
