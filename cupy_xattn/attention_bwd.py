@@ -64,6 +64,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + BLOCK_Q * (kv + 8))
+    if operand_bytes(precision) == 2:
+        smem += 4 * 2 * kv * head_dim  # the next key/value tile, staged as fp32
     blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
 

@@ -229,6 +229,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     operand_t* k_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
     operand_t* v_s = k_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
     operand_t* p_s = v_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_Q][LD_KV]: P, then dS
+    float* stage_k = reinterpret_cast<float*>(p_s + ATTN_BLOCK_Q * LD_KV);  // fp16 build: [ATTN_BLOCK_KV][head_dim]
+    float* stage_v = stage_k + ATTN_BLOCK_KV * ATTN_HEAD_DIM;              // fp16 build: [ATTN_BLOCK_KV][head_dim]
     __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V, dS
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
@@ -257,6 +259,31 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         *reinterpret_cast<float2*>(hs.dv + at) = make_float2(0.f, 0.f);
     }
 
+    // Key/value tile kv0 into k_s and v_s at the runs' scales. The fp16 build takes it from the
+    // staging (fp32), where the previous call (or the start) copied it with cp.async, and starts
+    // copying the tile the next call takes, next_kv0 (none if negative): the tiles' global-memory
+    // latency overlaps a tile's products.
+    auto prefetch_kv = [&](int kv0) {
+        prefetch_tile<ATTN_BLOCK_KV>(stage_k, hs.k, ld_kv, kv0, n_keys);
+        prefetch_tile<ATTN_BLOCK_KV>(stage_v, hs.v, ld_kv, kv0, n_keys);
+    };
+    auto load_kv = [&](int kv0, int next_kv0, RunScale& k_scale, RunScale& v_scale) {
+        if (ATTN_HALF) {
+            cp_async_wait_all();
+            __syncthreads();  // the staged tile is complete; the previous tile's readers of k_s, v_s are done
+            load_tiles<ATTN_BLOCK_KV>(k_s, stage_k, bk, red[2], k_scale, v_s, stage_v, bv, red[3], v_scale,
+                                      ATTN_HEAD_DIM, 0, n_keys - kv0);
+            __syncthreads();  // k_s and v_s are written; the staging is read
+            if (next_kv0 >= 0) prefetch_kv(next_kv0);
+        } else {
+            __syncthreads();
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0,
+                                      n_keys);
+            __syncthreads();
+        }
+    };
+    if (ATTN_HALF && tile_begin < tile_end) prefetch_kv(0);
+
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
         __syncthreads();  // the previous tile's readers of q_s / do_s are done
@@ -275,10 +302,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         RunScale v_run;
 
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
-            __syncthreads();
             RunScale k_scale;
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_run, ld_kv, kv0, n_keys);
-            __syncthreads();
+            load_kv(kv0, kv0 + ATTN_BLOCK_KV < kv_end ? kv0 + ATTN_BLOCK_KV : 0, k_scale, v_run);  // pass 2 follows
             float s[NT_KV][4], dp[NT_KV][4];
             score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_scale.s), g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
@@ -326,10 +351,9 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         const bool accumulate = qt != tile_begin;
 
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
-            __syncthreads();
             RunScale v_scale;
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_run, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0, n_keys);
-            __syncthreads();
+            const int next_kv0 = kv0 + ATTN_BLOCK_KV < kv_end ? kv0 + ATTN_BLOCK_KV : qt + 1 < tile_end ? 0 : -1;
+            load_kv(kv0, next_kv0, k_run, v_scale);
             float p[NT_KV][4];
             score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_run.s), g, t);
 #pragma unroll

@@ -335,6 +335,28 @@ struct TileIn {
     }
 };
 
+// Start copying rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns, as they are (fp32), into
+// stage ([ROWS][ATTN_HEAD_DIM]) with cp.async, rows at or past n_valid as zeros; one commit group.
+// They are there after cp_async_wait_all() and a barrier; TileIn::load reads them from there.
+template <int ROWS>
+__device__ __forceinline__ void prefetch_tile(float* stage, const float* __restrict__ src, long long ld_src, int row0,
+                                              int n_valid) {
+    using T = TileIn<ROWS>;
+#pragma unroll
+    for (int j = 0; j < T::PER_THREAD; ++j) {
+        const int row = threadIdx.x / T::VEC_PER_ROW + j * T::R_STEP, col = (threadIdx.x % T::VEC_PER_ROW) * 4;
+        if (row >= ROWS) break;
+        const bool valid = row0 + row < n_valid;
+        const float* from = valid ? src + (long long)(row0 + row) * ld_src + col : src;  // 0 bytes read if not valid
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage + row * ATTN_HEAD_DIM + col));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Two tiles into shared memory (TileIn), stored at the scales their runs give them (RunScale),
 // the tiles' own found over one __syncthreads (publish_max); 1 in the fp32 builds, with no barrier.
 template <int ROWS>
