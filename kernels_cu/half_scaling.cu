@@ -12,9 +12,9 @@
 // a guess, the scale the slot had in the previous run (1 at first), and a tensor is written
 // again only when its scale turned out different. Results never depend on the guess.
 //   half_copy_absmax: y = half(x · guess[slot]); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
-//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ guess, y = half(x · s)
-//   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; guess = 1/inv_scale and
-//                     amax_bits zeroed, for the next group or run         one block, n·n ≤ 1024
+//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ guess, y = half(x · s);
+//                     then its last block to finish: alpha[i·n + j] = inv_scale[i] · inv_scale[j] for
+//                     all n slots, guess = 1/inv_scale and amax_bits zeroed, for the next group or run
 //
 // max|x| is taken over the finite elements (as unsigned float bits: non-negative floats order like
 // their bits), so an Inf or NaN does not set the scale of the rest; it is copied as Inf or NaN.
@@ -143,29 +143,42 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     }
 }
 
+// half_rescale's grid is small (about two blocks per SM over the group): when the guesses are
+// right, which is every run after the first unless a tensor's magnitude crosses a power of two,
+// its blocks only check and leave; a full grid of them took ~2.7 µs, the separate alphas kernel
+// another ~1.5 with its gap. The alphas come from the last block to finish, counted in `arrivals`
+// (zero between launches: that block resets it): every block wrote its inv_scale and read its
+// amax_bits and guess before counting itself, so the last one may read and clear them.
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale,
-             const float* __restrict__ guess) {
+             unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,
+             float* __restrict__ alpha, int n_slots, unsigned* __restrict__ arrivals) {
     const int i = blockIdx.y, slot = group_slot(meta, n, i);
     const float s = pow2_scale(amax_bits[slot]);
     if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[slot] = 1.f / s;  // same value for a shared slot
-    if (s == guess[slot]) return;  // half_copy_absmax's copy stands
-    const float4* x = sources[i];
-    uint2* y = group_dest(meta, n, i);
-    uint2* lo = group_lo(meta, n, i);
-    const long long n4 = group_n4(meta, i);
-    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
-         j += (long long)gridDim.x * HALF_THREADS)
-        store_scaled(y, lo, j, x[j], s);
-}
-
-extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n,
-                                       unsigned* __restrict__ amax_bits, float* __restrict__ guess) {
-    const int i = threadIdx.x / n, j = threadIdx.x % n;
-    if (i < n) alpha[threadIdx.x] = inv_scale[i] * inv_scale[j];
-    if (threadIdx.x < n) {
-        amax_bits[threadIdx.x] = 0u;
-        guess[threadIdx.x] = 1.f / inv_scale[threadIdx.x];  // exact: a power of two
+    if (s != guess[slot]) {  // else half_copy_absmax's copy stands
+        const float4* x = sources[i];
+        uint2* y = group_dest(meta, n, i);
+        uint2* lo = group_lo(meta, n, i);
+        const long long n4 = group_n4(meta, i);
+        for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
+             j += (long long)gridDim.x * HALF_THREADS)
+            store_scaled(y, lo, j, x[j], s);
     }
+    __shared__ bool last;
+    __syncthreads();  // every thread has read amax_bits and guess
+    if (threadIdx.x == 0) {
+        __threadfence();  // inv_scale[slot] is visible to all before this block counts as arrived
+        last = atomicAdd(arrivals, 1u) == gridDim.x * gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile float* inv = inv_scale;  // written by other blocks: not from this SM's L1
+    for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) alpha[k] = inv[k / n_slots] * inv[k % n_slots];
+    if (threadIdx.x < n_slots) {
+        amax_bits[threadIdx.x] = 0u;
+        guess[threadIdx.x] = 1.f / inv[threadIdx.x];  // exact: a power of two
+    }
+    if (threadIdx.x == 0) *arrivals = 0u;
 }
