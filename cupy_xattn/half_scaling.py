@@ -77,12 +77,11 @@ class HalfScaler:
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums), numpy.int64)
         self._groups.append(meta)
         blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
-        rescale_blocks = max(1, 2 * self._sm_count // n)  # see half_rescale: mostly blocks that only check
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))
         amax, guess = numpy.uint64(self._amax_bits), numpy.uint64(self._guess)
         alphas = (numpy.uint64(self._alpha), numpy.int32(self.n_slots), numpy.uint64(self._arrivals))
         return (lambda: self._copy((blocks, n), (_THREADS,), args + (amax, guess)),
-                lambda: self._rescale((rescale_blocks, n), (_THREADS,),
+                lambda: self._rescale((2 * self._sm_count,), (_THREADS,),
                                       args + (amax, numpy.uint64(self._inv_scale), guess) + alphas))
 
     def inverse_scales(self):

@@ -89,8 +89,8 @@ def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
     halves = [cupy.empty(1 << 16, numpy.float16) for _ in range(3)]
     table = cupy.array([x.data.ptr for x in sources], numpy.uint64)
     scaler = HalfScaler(3, 132)
-    groups = [scaler.group(table.data.ptr, [(x.size, h.data.ptr, i, 0, 0, 0) for i, (x, h) in enumerate(
-        zip(sources, halves)) if i in members]) for members in ([0, 1], [2])]
+    groups = [scaler.group(table.data.ptr + 8 * members[0], [(sources[i].size, halves[i].data.ptr, i, 0, 0, 0)
+                                                             for i in members]) for members in ([0, 1], [2])]
     n = scaler.n_slots
     alphas = scaler._state[3 * n:3 * n + n * n].reshape(n, n)
     for exponents in ([0, 0, 0], [0, 0, 0], [5, -3, 0], [5, -3, 12], [-20, 30, 12], [0, 0, 0]):
