@@ -73,6 +73,8 @@ class HalfScaler:
             raise ValueError("half conversion needs sizes that are multiples of 4, and for column sums, row "
                              "lengths that are positive multiples of 4 dividing the size")
         n = len(tensors)
+        if n > _THREADS:
+            raise ValueError(f"a group holds at most {_THREADS} tensors (half_rescale), got {n}")
         size, dest, slot, lo, sums, cols = zip(*tensors)
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums), numpy.int64)
         self._groups.append(meta)

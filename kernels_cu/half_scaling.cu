@@ -162,21 +162,32 @@ extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,
              float* __restrict__ alpha, int n_slots, unsigned* __restrict__ arrivals) {
+    // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
+    // them one after the other waited n times for the chain meta → amax_bits → guess.
+    __shared__ float new_scale[HALF_THREADS];  // 0: the copy stands (the guess was right)
+    if (threadIdx.x < n) {
+        const int slot = group_slot(meta, n, threadIdx.x);
+        const float s = pow2_scale(amax_bits[slot]);
+        new_scale[threadIdx.x] = s == guess[slot] ? 0.f : s;
+        if (blockIdx.x == 0) {
+            inv_scale[slot] = 1.f / s;  // same value for a shared slot
+            __threadfence();            // visible to all before this block counts as arrived
+        }
+    }
+    __syncthreads();
     const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
     for (int i = 0; i < n; ++i) {
-        const int slot = group_slot(meta, n, i);
-        const float s = pow2_scale(amax_bits[slot]);
-        if (g == 0) inv_scale[slot] = 1.f / s;  // same value for a shared slot
-        if (s == guess[slot]) continue;  // half_copy_absmax's copy stands
+        const float s = new_scale[i];
+        if (s == 0.f) continue;
         uint2* y = group_dest(meta, n, i);
         uint2* lo = group_lo(meta, n, i);
         for_each_quad(sources[i], group_n4(meta, i), g, (long long)gridDim.x * HALF_THREADS,
                       [&](long long j, float4 v) { store_scaled(y, lo, j, v, s); });
     }
     __shared__ bool last;
-    __syncthreads();  // every thread has read amax_bits and guess
+    __syncthreads();  // this block's reads of amax_bits and guess are done
     if (threadIdx.x == 0) {
-        __threadfence();  // block 0's inv_scale values are visible to all before it counts as arrived
+        __threadfence();
         last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
     }
     __syncthreads();
