@@ -411,8 +411,7 @@ class Backward:
                                            [(size, dest, slot, 0 if lo is None else dest + lo,
                                              next(addresses) if cols else 0, cols)
                                             for (size, cols), (_, dest, slot) in zip(shapes, tensors)])
-        self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0),
-                        ("fp16 alphas", self._scaler.update_alphas, 0)]
+        self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0)]
         summed_rows = [size // cols for size, cols in shapes if cols]
         return [(s.data.ptr, min(s.shape[0], rows)) for s, rows in zip(sums, summed_rows)]
 

@@ -31,8 +31,8 @@ class HalfScaler:
     """Scaled fp16 copies of fp32 tensors, each tensor (or group of tensors) in a numbered slot.
 
     Per run, for each :meth:`group` of tensors: its ``copy`` and ``rescale`` launches (together
-    ``y = half(x · s_slot)`` and, where asked, the remainder ``half(x · s_slot − y)``), then
-    :meth:`update_alphas`. ``alpha(i, j)`` is the device address
+    ``y = half(x · s_slot)`` and, where asked, the remainder ``half(x · s_slot − y)``; ``rescale``
+    then updates the alphas). ``alpha(i, j)`` is the device address
     of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j. Nothing
     is read back to the host, so a run can be captured into a graph.
     """
@@ -41,18 +41,19 @@ class HalfScaler:
         cupy = import_cupy()
         self.n_slots = n_slots
         self._sm_count = sm_count
-        # One buffer: amax bits (zero between groups: half_alphas clears them), inverse scales,
-        # the scales guessed for the next copies (the last ones found; 1 at first), n × n alphas.
+        # One buffer: amax bits (zero between groups: half_rescale's last block clears them), inverse
+        # scales, the scales guessed for the next copies (the last ones found; 1 at first), n × n
+        # alphas, and half_rescale's count of finished blocks (zero between launches).
         n = n_slots
-        self._state = cupy.zeros(3 * n + n * n, numpy.float32)
+        self._state = cupy.zeros(3 * n + n * n + 1, numpy.float32)
         self._state[n:3 * n] = 1.0
         self._amax_bits = self._state.data.ptr
         self._inv_scale = self._state.data.ptr + 4 * n
         self._guess = self._state.data.ptr + 8 * n
         self._alpha = self._state.data.ptr + 12 * n
+        self._arrivals = self._alpha + 4 * n * n
         self._copy = kernels.get_kernel(SOURCE, "half_copy_absmax")
         self._rescale = kernels.get_kernel(SOURCE, "half_rescale")
-        self._alphas = kernels.get_kernel(SOURCE, "half_alphas")
         self._groups = []  # keeps each group's metadata alive
 
     def group(self, sources_address, tensors):
@@ -72,23 +73,21 @@ class HalfScaler:
             raise ValueError("half conversion needs sizes that are multiples of 4, and for column sums, row "
                              "lengths that are positive multiples of 4 dividing the size")
         n = len(tensors)
+        if n > _THREADS:
+            raise ValueError(f"a group holds at most {_THREADS} tensors (half_rescale), got {n}")
         size, dest, slot, lo, sums, cols = zip(*tensors)
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums), numpy.int64)
         self._groups.append(meta)
         blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
-        grid, block = (blocks, n), (_THREADS,)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))
         amax, guess = numpy.uint64(self._amax_bits), numpy.uint64(self._guess)
-        return (lambda: self._copy(grid, block, args + (amax, guess)),
-                lambda: self._rescale(grid, block, args + (amax, numpy.uint64(self._inv_scale), guess)))
-
-    def update_alphas(self):
-        n = self.n_slots
-        self._alphas((1,), (n * n,), (numpy.uint64(self._inv_scale), numpy.uint64(self._alpha), numpy.int32(n),
-                                      numpy.uint64(self._amax_bits), numpy.uint64(self._guess)))
+        alphas = (numpy.uint64(self._alpha), numpy.int32(self.n_slots), numpy.uint64(self._arrivals))
+        return (lambda: self._copy((blocks, n), (_THREADS,), args + (amax, guess)),
+                lambda: self._rescale((2 * self._sm_count,), (_THREADS,),
+                                      args + (amax, numpy.uint64(self._inv_scale), guess) + alphas))
 
     def inverse_scales(self):
-        """1 / s of each slot as of the last ``update_alphas`` (a CuPy view, for checks and probes)."""
+        """1 / s of each slot as of the last ``rescale`` (a CuPy view, for checks and probes)."""
         return self._state[self.n_slots:2 * self.n_slots]
 
     def alpha(self, i, j):

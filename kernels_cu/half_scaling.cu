@@ -12,9 +12,9 @@
 // a guess, the scale the slot had in the previous run (1 at first), and a tensor is written
 // again only when its scale turned out different. Results never depend on the guess.
 //   half_copy_absmax: y = half(x · guess[slot]); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
-//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ guess, y = half(x · s)
-//   half_alphas:      alpha[i·n + j] = inv_scale[i] · inv_scale[j]; guess = 1/inv_scale and
-//                     amax_bits zeroed, for the next group or run         one block, n·n ≤ 1024
+//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ guess, y = half(x · s);
+//                     then its last block to finish: alpha[i·n + j] = inv_scale[i] · inv_scale[j] for
+//                     all n slots, guess = 1/inv_scale and amax_bits zeroed, for the next group or run
 //
 // max|x| is taken over the finite elements (as unsigned float bits: non-negative floats order like
 // their bits), so an Inf or NaN does not set the scale of the rest; it is copied as Inf or NaN.
@@ -28,7 +28,7 @@
 #define HALF_TARGET_EXP 14
 #endif
 #define HALF_THREADS 256
-#define HALF_UNROLL 4  // float4 loads in flight per thread: one at a time moved ~2.3 TB/s (copy rate ~4)
+#define HALF_UNROLL 4  // float4 loads in flight per thread (for_each_quad)
 
 // A group of tensors is converted by one launch each of half_copy_absmax and half_rescale: blockIdx.y picks
 // the tensor. sources[i] is a slot of the plan's pointer table (the caller's arrays move from
@@ -104,6 +104,22 @@ __device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, f
                            pack_half2(remainder_of_half(c), remainder_of_half(d)));
 }
 
+// each(j, x[j]) for j = j0, j0 + stride, … < n4, HALF_UNROLL loads in flight before each is called
+// (one at a time, the copy moved ~2.5–3.4 TB/s; the copy rate is ~4).
+template <typename Each>
+__device__ __forceinline__ void for_each_quad(const float4* x, long long n4, long long j0, long long stride,
+                                              Each each) {
+    for (; j0 < n4; j0 += HALF_UNROLL * stride) {
+        float4 v[HALF_UNROLL];
+#pragma unroll
+        for (int u = 0; u < HALF_UNROLL; ++u)
+            v[u] = j0 + u * stride < n4 ? load_streaming(x + j0 + u * stride) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < HALF_UNROLL; ++u)
+            if (j0 + u * stride < n4) each(j0 + u * stride, v[u]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
                  unsigned* __restrict__ amax_bits, const float* __restrict__ guess) {
@@ -117,20 +133,11 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     float m = 0.f;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
-    const long long stride = (long long)gridDim.x * HALF_THREADS;
-    for (long long j0 = g; j0 < n4; j0 += HALF_UNROLL * stride) {
-        float4 v[HALF_UNROLL];
-#pragma unroll
-        for (int u = 0; u < HALF_UNROLL; ++u)  // all loads in flight before the first store
-            v[u] = j0 + u * stride < n4 ? load_streaming(x + j0 + u * stride) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int u = 0; u < HALF_UNROLL; ++u) {
-            if (j0 + u * stride < n4) store_scaled(y, lo, j0 + u * stride, v[u], s);
-            m = fmaxf(m, fmaxf(fmaxf(finite_abs(v[u].x), finite_abs(v[u].y)),
-                               fmaxf(finite_abs(v[u].z), finite_abs(v[u].w))));
-            sum.x += v[u].x, sum.y += v[u].y, sum.z += v[u].z, sum.w += v[u].w;  // zeros past the end
-        }
-    }
+    for_each_quad(x, n4, g, (long long)gridDim.x * HALF_THREADS, [&](long long j, float4 v) {
+        store_scaled(y, lo, j, v, s);
+        m = fmaxf(m, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    });
     if (sums != nullptr) sums[g] = sum;  // [g / cols4][g % cols4] of float4s: the layout above
     unsigned bits = __float_as_uint(m);
     for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
@@ -143,29 +150,54 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     }
 }
 
+// half_rescale runs two blocks per SM, each taking its share of every tensor whose scale changed:
+// when the guesses are right (every run after the first, unless a tensor's max crosses a power of
+// two, as it does from one random input to the next for some benchmark tensors) its blocks only
+// check and leave; a block per 1024 elements of each tensor took ~2.7 µs for that, and the alphas
+// kernel it replaces another ~1.5 with its gap. The alphas come from the last block to finish,
+// counted in `arrivals` (zero between launches: that block resets it): every block wrote its
+// inv_scale values and read amax_bits and guess before counting itself, so the last one may read
+// and clear them.
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-             const unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale,
-             const float* __restrict__ guess) {
-    const int i = blockIdx.y, slot = group_slot(meta, n, i);
-    const float s = pow2_scale(amax_bits[slot]);
-    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[slot] = 1.f / s;  // same value for a shared slot
-    if (s == guess[slot]) return;  // half_copy_absmax's copy stands
-    const float4* x = sources[i];
-    uint2* y = group_dest(meta, n, i);
-    uint2* lo = group_lo(meta, n, i);
-    const long long n4 = group_n4(meta, i);
-    for (long long j = blockIdx.x * (long long)HALF_THREADS + threadIdx.x; j < n4;
-         j += (long long)gridDim.x * HALF_THREADS)
-        store_scaled(y, lo, j, x[j], s);
-}
-
-extern "C" __global__ void half_alphas(const float* __restrict__ inv_scale, float* __restrict__ alpha, int n,
-                                       unsigned* __restrict__ amax_bits, float* __restrict__ guess) {
-    const int i = threadIdx.x / n, j = threadIdx.x % n;
-    if (i < n) alpha[threadIdx.x] = inv_scale[i] * inv_scale[j];
+             unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,
+             float* __restrict__ alpha, int n_slots, unsigned* __restrict__ arrivals) {
+    // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
+    // them one after the other waited n times for the chain meta → amax_bits → guess.
+    __shared__ float new_scale[HALF_THREADS];  // 0: the copy stands (the guess was right)
     if (threadIdx.x < n) {
-        amax_bits[threadIdx.x] = 0u;
-        guess[threadIdx.x] = 1.f / inv_scale[threadIdx.x];  // exact: a power of two
+        const int slot = group_slot(meta, n, threadIdx.x);
+        const float s = pow2_scale(amax_bits[slot]);
+        new_scale[threadIdx.x] = s == guess[slot] ? 0.f : s;
+        if (blockIdx.x == 0) {
+            inv_scale[slot] = 1.f / s;  // same value for a shared slot
+            __threadfence();            // visible to all before this block counts as arrived
+        }
     }
+    __syncthreads();
+    const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
+    for (int i = 0; i < n; ++i) {
+        const float s = new_scale[i];
+        if (s == 0.f) continue;
+        uint2* y = group_dest(meta, n, i);
+        uint2* lo = group_lo(meta, n, i);
+        for_each_quad(sources[i], group_n4(meta, i), g, (long long)gridDim.x * HALF_THREADS,
+                      [&](long long j, float4 v) { store_scaled(y, lo, j, v, s); });
+    }
+    __shared__ bool last;
+    __syncthreads();  // this block's reads of amax_bits and guess are done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile float* inv = inv_scale;  // written by another block: not from this SM's L1
+    for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) alpha[k] = inv[k / n_slots] * inv[k % n_slots];
+    if (threadIdx.x < n_slots) {
+        amax_bits[threadIdx.x] = 0u;
+        guess[threadIdx.x] = 1.f / inv[threadIdx.x];  // exact: a power of two
+    }
+    if (threadIdx.x == 0) *arrivals = 0u;
 }

@@ -86,7 +86,7 @@ def probe_conversions(shape):
     copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, s.data.ptr if c else 0, c)
                                                   for i, (size, (hi, lo), s, c)
                                                   in enumerate(zip(sizes, halves, sums, row_lengths))])
-    copy(), rescale(), scaler.update_alphas()
+    copy(), rescale()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
     x_t = cupy.full((2, d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)  # X^T, dY^T apart
     dkv_t = cupy.full((2 * d, attention_bwd.o_t_stride(mt)), numpy.nan, numpy.float32)

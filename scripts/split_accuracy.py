@@ -43,7 +43,7 @@ def three_fp16(a, b, chunks=1):
     halves = [(cupy.empty(x.shape, numpy.float16), cupy.empty(x.shape, numpy.float16)) for x in (a, b)]
     copy, rescale = scaler.group(sources.data.ptr, [(x.size, hi.data.ptr, i, lo.data.ptr, 0, 0)
                                                     for i, (x, (hi, lo)) in enumerate(zip((a, b), halves))])
-    copy(), rescale(), scaler.update_alphas()
+    copy(), rescale()
     alpha = numpy.array([numpy.prod(scaler.inverse_scales().get())], numpy.float32)  # exact: powers of two
     (a_hi, a_lo), (b_hi, b_lo) = halves
     c = cupy.empty((a.shape[0], b.shape[0]), numpy.float32)
