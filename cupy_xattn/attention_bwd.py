@@ -53,9 +53,10 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     for this text length and head_dim.
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
-    the P/dS tile. Aim for as many blocks per SM when splitting the query rows of a
-    (batch, head) pair: each extra chunk costs a dK/dV partial to reduce. head_dim 128 always
-    streams (the resident kernel's dK/dV accumulators would double), two blocks per SM.
+    the P/dS tile; with fp16 operands, the streamed kernel's next K and V tiles staged as fp32.
+    Aim for as many blocks per SM when splitting the query rows of a (batch, head) pair: each
+    extra chunk costs a dK/dV partial to reduce. head_dim 128 always streams (the resident
+    kernel's dK/dV accumulators would double), two blocks per SM.
     """
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:

@@ -12,7 +12,7 @@ _THREADS = 256
 
 
 def _blocks(sizes, sum_cols, sm_count):
-    """Blocks of one group's launches: enough for its largest tensor, at most two per SM, rounded up
+    """Blocks of one group's copy: enough for its largest tensor, at most two per SM, rounded up
     so that blocks · threads is a multiple of cols / 4 for each row length in ``sum_cols`` (the
     tensors given column sums: see half_scaling.cu)."""
     blocks = max(1, min(-(-max(sizes) // 4 // _THREADS), 2 * sm_count))
@@ -32,7 +32,8 @@ class HalfScaler:
 
     Per run, for each :meth:`group` of tensors: its ``copy`` and ``rescale`` launches (together
     ``y = half(x · s_slot)`` and, where asked, the remainder ``half(x · s_slot − y)``; ``rescale``
-    then updates the alphas). ``alpha(i, j)`` is the device address
+    then updates the alphas; the groups' rescales share a counter, so they run in stream order, one
+    after the other). ``alpha(i, j)`` is the device address
     of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j. Nothing
     is read back to the host, so a run can be captured into a graph.
     """

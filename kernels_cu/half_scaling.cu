@@ -30,11 +30,12 @@
 #define HALF_THREADS 256
 #define HALF_UNROLL 4  // float4 loads in flight per thread (for_each_quad)
 
-// A group of tensors is converted by one launch each of half_copy_absmax and half_rescale: blockIdx.y picks
-// the tensor. sources[i] is a slot of the plan's pointer table (the caller's arrays move from
-// call to call); meta holds, for n tensors, n4[i] (element count / 4), then dest[i] (the fp16
-// copy's address), then slot[i] (its scale slot; tensors may share one), then lo[i] (the
-// remainder's address, 0 for none), then sums[i] (below; 0 for none).
+// A group of tensors is converted by one launch each of half_copy_absmax (blockIdx.y picks the
+// tensor) and half_rescale (every block takes its share of each tensor). sources[i] is a slot of
+// the plan's pointer table (the caller's arrays move from call to call); meta holds, for n
+// tensors, n4[i] (element count / 4), then dest[i] (the fp16 copy's address), then slot[i] (its
+// scale slot; tensors may share one), then lo[i] (the remainder's address, 0 for none), then
+// sums[i] (below; 0 for none).
 //
 // Column sums (the bias gradients of dY, dQ, [dK | dV]), in the copy's pass over x: with x a
 // row-major [rows][4·cols4] matrix and gridDim.x·HALF_THREADS a multiple of cols4 (the launcher
@@ -85,8 +86,8 @@ __device__ __forceinline__ float remainder_of_half(float x) {
     return isfinite(x) && isfinite(h) ? x - h : 0.f;
 }
 
-// A source read once here (the GEMMs read the fp16 copy): evict-first, so that it does not push the
-// copies out of L2.
+// Sources are read here once (again only by a rescale) and the GEMMs read the fp16 copies: the
+// sources are read evict-first, so that they do not push the copies out of L2.
 __device__ __forceinline__ float4 load_streaming(const float4* p) {
     float4 v;
     asm("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
@@ -155,9 +156,9 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 // two, as it does from one random input to the next for some benchmark tensors) its blocks only
 // check and leave; a block per 1024 elements of each tensor took ~2.7 µs for that, and the alphas
 // kernel it replaces another ~1.5 with its gap. The alphas come from the last block to finish,
-// counted in `arrivals` (zero between launches: that block resets it): every block wrote its
-// inv_scale values and read amax_bits and guess before counting itself, so the last one may read
-// and clear them.
+// counted in `arrivals` (zero between launches: that block resets it; one counter per scaler, so
+// its groups' rescales run in stream order): block 0 wrote the inv_scale values and every block
+// read amax_bits and guess before counting itself, so the last one may read and clear them.
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,
@@ -195,9 +196,9 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     __threadfence();
     const volatile float* inv = inv_scale;  // written by another block: not from this SM's L1
     for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) alpha[k] = inv[k / n_slots] * inv[k % n_slots];
-    if (threadIdx.x < n_slots) {
-        amax_bits[threadIdx.x] = 0u;
-        guess[threadIdx.x] = 1.f / inv[threadIdx.x];  // exact: a power of two
+    for (int k = threadIdx.x; k < n_slots; k += HALF_THREADS) {
+        amax_bits[k] = 0u;
+        guess[k] = 1.f / inv[k];  // exact: a power of two
     }
     if (threadIdx.x == 0) *arrivals = 0u;
 }

@@ -81,27 +81,31 @@ def test_the_copy_pass_writes_partial_column_sums_that_add_up_to_the_column_sums
 def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
     # Two groups of one scaler, over runs whose magnitudes move the scales (the guess wrong: the
     # rescale rewrites) or keep them (the copy stands): half_rescale's last block to finish sets
-    # the n × n alphas and clears the state for the next group, whichever block that is.
+    # the n × n alphas and clears the state for the next group, whichever block that is. Tensor 1
+    # takes several strides of both kernels' grids (all four loads in flight) and a partial one.
     import cupy
     rng = numpy.random.default_rng(11)
-    base = [rng.standard_normal(1 << 16, dtype=numpy.float32) for _ in range(3)]
-    sources = [cupy.empty(1 << 16, numpy.float32) for _ in range(3)]
-    halves = [cupy.empty(1 << 16, numpy.float16) for _ in range(3)]
+    sizes = [1 << 16, 4 * (4 * 2 * 132 * 256 * 3 + 7), 1 << 14]
+    base = [rng.standard_normal(size, dtype=numpy.float32) for size in sizes]
+    sources = [cupy.empty(size, numpy.float32) for size in sizes]
+    halves = [cupy.empty(size, numpy.float16) for size in sizes]
     table = cupy.array([x.data.ptr for x in sources], numpy.uint64)
     scaler = HalfScaler(3, 132)
-    groups = [scaler.group(table.data.ptr + 8 * members[0], [(sources[i].size, halves[i].data.ptr, i, 0, 0, 0)
-                                                             for i in members]) for members in ([0, 1], [2])]
-    n = scaler.n_slots
-    alphas = scaler._state[3 * n:3 * n + n * n].reshape(n, n)
+    members = ([0, 1], [2])
+    groups = [scaler.group(table.data.ptr + 8 * m[0], [(sizes[i], halves[i].data.ptr, i, 0, 0, 0) for i in m])
+              for m in members]
+    alphas = scaler._state[9:18].reshape(3, 3)  # after amax bits, inverse scales, guesses (3 slots)
+    inverse = numpy.ones(3, numpy.float32)  # a scaler's start
     for exponents in ([0, 0, 0], [0, 0, 0], [5, -3, 0], [5, -3, 12], [-20, 30, 12], [0, 0, 0]):
         values = [b * numpy.float32(2.0 ** e) for b, e in zip(base, exponents)]
         for x, v in zip(sources, values):
             x.set(v)
-        for copy, rescale in groups:
-            copy(), rescale()
         amax = numpy.array([numpy.abs(v).max() for v in values], numpy.float32)
         s = numpy.ldexp(numpy.float32(1), 14 - numpy.frexp(amax)[1]).astype(numpy.float32)
-        numpy.testing.assert_array_equal(cupy.asnumpy(scaler.inverse_scales()), 1 / s)
-        numpy.testing.assert_array_equal(cupy.asnumpy(alphas), numpy.outer(1 / s, 1 / s))
+        for m, (copy, rescale) in zip(members, groups):
+            copy(), rescale()
+            inverse[m] = 1 / s[m]  # the other group's slots keep their last scales
+            numpy.testing.assert_array_equal(cupy.asnumpy(scaler.inverse_scales()), inverse)
+            numpy.testing.assert_array_equal(cupy.asnumpy(alphas), numpy.outer(inverse, inverse))
         for v, h, scale in zip(values, halves, s):
             numpy.testing.assert_array_equal(cupy.asnumpy(h), (v * scale).astype(numpy.float16))
