@@ -19,3 +19,32 @@ def test_python_script_compiles(path, tmp_path):
 @pytest.mark.parametrize("path", [p for p in SCRIPTS if p.suffix == ".sh"], ids=lambda p: p.name)
 def test_shell_script_parses(path):
     subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sass_mix.py"
+    spec = importlib.util.spec_from_file_location("sass_mix", path)
+    sass_mix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_mix)
+    sass = """//--------------------- .text.other       --------------------------
+        /*0000*/                   FMUL R1, R2, R3 ;
+//--------------------- .text.k           --------------------------
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+.L_x_2:
+        /*0020*/                   FMUL R1, R2, R3 ;
+        /*0030*/              @!P0 BRA `(.L_x_2) ;
+        /*0040*/                   FMUL.FTZ R1, R2, R3 ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0080*/                   NOP ;
+"""
+    total, mix = sass_mix.loop_mix(sass, "k")
+    assert total == 9  # the other kernel's instruction is not k's
+    assert dict(mix) == {"HMMA": 1, "FMUL": 2, "BRA": 2}  # .L_x_1's loop (0x10–0x50), not the inner or a forward one
+    with pytest.raises(ValueError):
+        sass_mix.loop_mix(sass, "missing")
