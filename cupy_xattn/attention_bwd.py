@@ -22,6 +22,10 @@ HEAD_DIMS = (64, 128)
 #: up to this many text tokens, attn_bwd_resident keeps all keys and values in shared memory
 #: and takes one pass per query tile; longer texts are streamed by attn_bwd in two passes.
 RESIDENT_MAX_KEYS = 80
+#: warps per 16 query rows of attn_bwd_resident with fp16 operands (ATTN_KEY_SPLIT): two, each with
+#: half the keys for S, the softmax and dP and half the columns of O and dQ; the keys are padded
+#: to 32 for it (77 → 96). 1 in the fp32 mode (3xTF32 would spill).
+RESIDENT_KEY_SPLIT = 2
 _REDUCE_THREADS = 256
 
 
@@ -60,7 +64,7 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     """
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
-        keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
+        keys, rows = _padded(num_text_tokens, 16 * resident_key_split(precision)), RESIDENT_BLOCK_Q
         smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
@@ -69,6 +73,11 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
         smem += 4 * 2 * kv * head_dim  # the next key/value tile, staged as fp32
     blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
+
+
+def resident_key_split(precision):
+    """ATTN_KEY_SPLIT of attn_bwd_resident: RESIDENT_KEY_SPLIT with fp16 operands, else 1."""
+    return RESIDENT_KEY_SPLIT if operand_bytes(precision) == 2 else 1
 
 
 def o_t_stride(rows):
@@ -130,12 +139,13 @@ class AttentionBackward:
         self.problem = problem
         name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk = launch_layout(
             problem, precision, sm_count)
-        self._threads = rows // 16 * 32
+        split = resident_key_split(precision) if keys else 1
+        self._threads = rows // 16 * 32 * split
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
         block_kv = streamed_block_kv(problem.num_text_tokens, precision, problem.head_dim) if not keys else BLOCK_KV
         defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": block_kv, "ATTN_HEAD_DIM": problem.head_dim,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
-                   "ATTN_KEYS": keys,
+                   "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed)}
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
