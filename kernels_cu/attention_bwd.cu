@@ -445,7 +445,11 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row_group = warp % ROW_WARPS, part = warp / ROW_WARPS, r0 = row_group * 16;
+    // (Without the split, part is 0 at compile time: as warp / ROW_WARPS, nvcc 13 kept the offsets
+    // below in registers and the 3xTF32 build spilled.)
+    const int row_group = ATTN_KEY_SPLIT > 1 ? warp % ROW_WARPS : warp;
+    const int part = ATTN_KEY_SPLIT > 1 ? warp / ROW_WARPS : 0;
+    const int r0 = row_group * 16;
     const int key0 = part * NT_K * 8, col0 = part * NT_HD * 8;  // this warp's first key, first column of O and dQ
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
