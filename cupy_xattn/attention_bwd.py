@@ -22,6 +22,12 @@ HEAD_DIMS = (64, 128)
 #: up to this many text tokens, attn_bwd_resident keeps all keys and values in shared memory
 #: and takes one pass per query tile; longer texts are streamed by attn_bwd in two passes.
 RESIDENT_MAX_KEYS = 80
+#: warps per 16 query rows of attn_bwd_resident (ATTN_KEY_SPLIT) where its grid is at most one
+#: block per SM (launch_layout): two, each with half the keys for S, the softmax and dP and half
+#: the columns of O and dQ, keys padded to 32 (77 → 96), one block of 8 warps per SM. Measured on
+#: the H200: 2x256x77 and 1x512x77 −4 to −6 µs; on every larger grid slower (+3 to +13 µs at two
+#: such blocks per SM, 128 registers; +4 to +118 at one). fp16 operands only.
+RESIDENT_KEY_SPLIT = 2
 _REDUCE_THREADS = 256
 
 
@@ -48,9 +54,9 @@ def operand_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
-def kernel_choice(num_text_tokens, precision, head_dim=64):
+def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
-    for this text length and head_dim.
+    for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT).
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
     the P/dS tile; with fp16 operands, the streamed kernel's next K and V tiles staged as fp32.
@@ -60,9 +66,9 @@ def kernel_choice(num_text_tokens, precision, head_dim=64):
     """
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
-        keys, rows = _padded(num_text_tokens, 16), RESIDENT_BLOCK_Q
+        keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
         smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
-        return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 else 1
+        return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + BLOCK_Q * (kv + 8))
     if operand_bytes(precision) == 2:
@@ -98,10 +104,18 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, b
 
 def launch_layout(problem, precision, sm_count):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM, n_chunks,
-    tiles_per_chunk) for ``problem``."""
-    name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim)
-    return (name, keys, rows, smem, blocks_per_sm,
-            *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count, blocks_per_sm, rows))
+    tiles_per_chunk, ATTN_KEY_SPLIT) for ``problem``. The resident kernel splits its keys
+    (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one
+    tile as one chain of dependent instructions, and two warps a row halve it."""
+    heads = problem.batch_size * problem.num_heads
+    for key_split in (1, RESIDENT_KEY_SPLIT):
+        name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim,
+                                                              key_split)
+        n_chunks, tiles_per_chunk = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
+                                             sm_count, blocks_per_sm, rows)
+        if not (keys and rows == 64 and operand_bytes(precision) == 2 and heads * n_chunks <= sm_count):
+            break
+    return name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split
 
 
 class AttentionBackward:
@@ -128,14 +142,14 @@ class AttentionBackward:
         cupy = import_cupy()
         check_head_dim(problem)
         self.problem = problem
-        name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk = launch_layout(
-            problem, precision, sm_count)
-        self._threads = rows // 16 * 32
+        (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk,
+         split) = launch_layout(problem, precision, sm_count)
+        self._threads = rows // 16 * 32 * split
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
         block_kv = streamed_block_kv(problem.num_text_tokens, precision, problem.head_dim) if not keys else BLOCK_KV
         defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": block_kv, "ATTN_HEAD_DIM": problem.head_dim,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
-                   "ATTN_KEYS": keys,
+                   "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed)}
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:

@@ -184,24 +184,25 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
     return h;
 }
 
-// This warp's 16 rows of O: rows of o, or columns of O^T with ATTN_O_TRANSPOSED (row stride ld
-// either way); n_rows = Nv, o already offset to the (batch, head).
-__device__ __forceinline__ void store_o(float* o, int ld, int row0, int n_rows,
-                                        const float c[ATTN_HEAD_DIM / 8][4], int g, int t) {
+// This warp's 16 rows of O (its first NT·8 columns): rows of o, or columns of O^T with
+// ATTN_O_TRANSPOSED (row stride ld either way); n_rows = Nv, o already offset to the (batch, head)
+// and to the warp's first column.
+template <int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void store_o(float* o, int ld, int row0, int n_rows, const float c[NT][4], int g, int t) {
 #if ATTN_O_TRANSPOSED
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + g + 8 * h;
         if (row < n_rows) {
 #pragma unroll
-            for (int n = 0; n < ATTN_HEAD_DIM / 8; ++n) {
+            for (int n = 0; n < NT; ++n) {
                 o[(long long)(n * 8 + 2 * t) * ld + row] = c[n][2 * h];
                 o[(long long)(n * 8 + 2 * t + 1) * ld + row] = c[n][2 * h + 1];
             }
         }
     }
 #else
-    store_rows(o, ld, row0, n_rows, c, g, t);
+    store_rows<NT>(o, ld, row0, n_rows, c, g, t);
 #endif
 }
 
@@ -397,8 +398,24 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // Shared memory: 2 (K, V) + 2 (Q, dO) row tiles and P/dS; for ≤ 80 keys two blocks per SM with
 // 64-row tiles, one with 128-row tiles (ATTN_RESIDENT_MIN_BLOCKS, set by the launcher).
 // The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts).
+// With ATTN_KEY_SPLIT = 2 each 16 query rows are owned by a pair of warps: warp w takes rows
+// (w % ROW_WARPS)·16 with keys [part·NK/2, +NK/2) for S, the softmax and dP (part = w / ROW_WARPS;
+// the pair exchanges row maxima, sums and D through shared memory under a barrier of its own),
+// and head-dim columns [part·head_dim/2, +head_dim/2) of O and dQ (from whole rows of P and dS in
+// p_s); the dK and dV tiles are dealt over all the warps. Twice the warps on a tile, each with
+// half the chain of dependent instructions: on the small cases one tile is all an SM has.
 #define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
-static_assert(ATTN_KEYS % 16 == 0, "the resident keys are whole 16-row mma tiles");
+static_assert(ATTN_KEYS % (16 * ATTN_KEY_SPLIT) == 0, "each warp's keys are whole 16-row mma tiles");
+static_assert(ATTN_KEY_SPLIT == 1 || (ATTN_KEY_SPLIT == 2 && ATTN_HALF), "keys split in two, with fp16 operands");
+
+// The barrier of the ATTN_KEY_SPLIT warps that own query rows [16·row_group, +16) (ids from 1: 0 is
+// __syncthreads'); a __syncwarp when one warp owns them.
+__device__ __forceinline__ void row_sync(int row_group) {
+    if (ATTN_KEY_SPLIT > 1)
+        asm volatile("bar.sync %0, %1;" ::"r"(1 + row_group), "r"(32 * ATTN_KEY_SPLIT) : "memory");
+    else
+        __syncwarp();
+}
 
 #ifndef ATTN_RESIDENT_MIN_BLOCKS
 #define ATTN_RESIDENT_MIN_BLOCKS 2
@@ -410,7 +427,8 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
                   int n_video, int n_text, int hidden, int ld_o,
                   int tiles_per_chunk, float scale) {
-    constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8;
+    constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
+    constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
     constexpr int PER_WARP = Tiles::N;
     extern __shared__ float4 smem4[];
@@ -420,12 +438,19 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
     operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P, then dS
     __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of K, V, Q, dO, dS
+    __shared__ float2 part_row[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];  // each key part's row max and sum
+    __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int r0 = warp * 16;
+    // (Without the split, part is 0 at compile time: as warp / ROW_WARPS, nvcc 13 kept the offsets
+    // below in registers and the 3xTF32 build spilled.)
+    const int row_group = ATTN_KEY_SPLIT > 1 ? warp % ROW_WARPS : warp;
+    const int part = ATTN_KEY_SPLIT > 1 ? warp / ROW_WARPS : 0;
+    const int r0 = row_group * 16;
+    const int key0 = part * NT_K * 8, col0 = part * NT_HD * 8;  // this warp's first key, first column of O and dQ
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
     RunScale k_scale, v_scale;
@@ -458,43 +483,62 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         const float s_q = q_run.s, s_do = do_run.s;
         __syncthreads();
 
-        // P = softmax(S) exactly, from the whole row.
+        // P = softmax(S) exactly, from the whole row: this warp's part of it, then the row's parts.
         float p[NT_K][4];
-        score_tile<NT_K>(p, q_s, k_s, r0, 0, n_keys, score_factor(scale_log2, s_q, s_k), g, t);
+        score_tile<NT_K>(p, q_s, k_s + key0 * LD_HD, r0, key0, n_keys, score_factor(scale_log2, s_q, s_k), g, t);
+        float norm[2];  // what this part's exp2(s − its max) is multiplied by
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = neg_inf();
 #pragma unroll
             for (int n = 0; n < NT_K; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
             mx = quad_max(mx);
+            const float base = mx == neg_inf() ? 0.f : mx;  // every key of this part masked: p = 0
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_K; ++n)
 #pragma unroll
                 for (int i = 2 * h; i < 2 * h + 2; ++i) {
-                    p[n][i] = exp2f(p[n][i] - mx);
+                    p[n][i] = exp2f(p[n][i] - base);
                     sum += p[n][i];
                 }
-            const float inv = 1.f / quad_sum(sum);
+            sum = quad_sum(sum);
+            norm[h] = 1.f / sum;
+            if (ATTN_KEY_SPLIT > 1 && t == 0) part_row[part][r0 + g + 8 * h] = make_float2(mx, sum);
+        }
+        if (ATTN_KEY_SPLIT > 1) {
+            row_sync(row_group);
 #pragma unroll
-            for (int n = 0; n < NT_K; ++n) {
-                p[n][2 * h] *= inv;
-                p[n][2 * h + 1] *= inv;
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + g + 8 * h;
+                float row_max = neg_inf(), row_sum = 0.f;
+#pragma unroll
+                for (int k = 0; k < ATTN_KEY_SPLIT; ++k) row_max = fmaxf(row_max, part_row[k][row].x);
+#pragma unroll
+                for (int k = 0; k < ATTN_KEY_SPLIT; ++k)
+                    row_sum += part_row[k][row].y * exp2f(part_row[k][row].x - row_max);
+                norm[h] = exp2f(part_row[part][row].x - row_max) / row_sum;
             }
         }
+#pragma unroll
+        for (int n = 0; n < NT_K; ++n) {
+            p[n][0] *= norm[0], p[n][1] *= norm[0];
+            p[n][2] *= norm[1], p[n][3] *= norm[1];
+        }
         // O = P V first: fewer registers are live than while dP is held too.
-        store_acc<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t);
-        __syncwarp();
+        store_acc<NT_K>(p_s + key0, LD_P, r0, p, P_SCALE, g, t);
+        row_sync(row_group);  // the row's P, all its parts
         {
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
-            rows_times_add<NK>(o_acc, p_s, LD_P, v_s, r0, g, t);
+            rows_times_add<NK, NT_HD>(o_acc, p_s, LD_P, v_s + col0, r0, g, t);
             unscale<NT_HD>(o_acc, P_SCALE, s_v);
-            store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t);
+            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, q_row0 + r0, n_video,
+                           o_acc, g, t);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];
-        rows_times_t<NT_K>(dp, do_s, v_s, r0, g, t);
+        rows_times_t<NT_K>(dp, do_s, v_s + key0 * LD_HD, r0, g, t);
         unscale<NT_K>(dp, s_do, s_v);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -502,6 +546,16 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 #pragma unroll
             for (int n = 0; n < NT_K; ++n) dot += p[n][2 * h] * dp[n][2 * h] + p[n][2 * h + 1] * dp[n][2 * h + 1];
             d_row[h] = quad_sum(dot);
+            if (ATTN_KEY_SPLIT > 1 && t == 0) part_d[part][r0 + g + 8 * h] = d_row[h];
+        }
+        if (ATTN_KEY_SPLIT > 1) {
+            row_sync(row_group);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                d_row[h] = 0.f;
+#pragma unroll
+                for (int k = 0; k < ATTN_KEY_SPLIT; ++k) d_row[h] += part_d[k][r0 + g + 8 * h];
+            }
         }
         score_grads<NT_K>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers (P is not needed there after)
         __syncthreads();  // all rows of P are in p_s (and dS's block maximum in red[4])
@@ -510,15 +564,15 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         const float dk_ratio = ds_run.ratio * q_run.ratio;
         if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
         __syncthreads();  // every warp is done reading P
-        store_acc<NT_K>(p_s, LD_P, r0, dp, ds_run.s, g, t);
+        store_acc<NT_K>(p_s + key0, LD_P, r0, dp, ds_run.s, g, t);
         __syncthreads();
         add_transposed(dk_acc, q_s);  // dK += dS^T Q
         {
             float dq_acc[NT_HD][4];
             zero<NT_HD>(dq_acc);
-            rows_times_add<NK>(dq_acc, p_s, LD_P, k_s, r0, g, t);  // dQ = dS K
+            rows_times_add<NK, NT_HD>(dq_acc, p_s, LD_P, k_s + col0, r0, g, t);  // dQ = dS K
             unscale<NT_HD>(dq_acc, ds_run.s, s_k);
-            store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+            store_rows<NT_HD>(hs.dq + col0, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
     }
     unscale<PER_WARP>(dk_acc, ds_run.s, q_run.s);

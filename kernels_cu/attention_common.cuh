@@ -8,7 +8,9 @@
 // each tile scaled by a power of two (operand scales, below), and multiplies with mma.sync
 // m16n8k16 on ldmatrix fragments: the same 11-bit significands as TF32, half the products and
 // a fifth of the shared-memory load instructions.
-// A block of ATTN_THREADS threads works on ATTN_BLOCK_Q query rows; each warp owns 16 rows.
+// A block of ATTN_THREADS threads works on ATTN_BLOCK_Q query rows; each warp owns 16 rows (the
+// resident kernel with ATTN_KEY_SPLIT = 2: each 16 rows are owned by two warps, one per half of
+// the keys).
 // ATTN_UNROLL_K (default 16, full) is the unrolling of the k loops of the warp products.
 
 #ifndef ATTN_BLOCK_Q
@@ -29,9 +31,12 @@
 #ifndef ATTN_HALF
 #define ATTN_HALF 0
 #endif
+#ifndef ATTN_KEY_SPLIT
+#define ATTN_KEY_SPLIT 1
+#endif
 static_assert(!(ATTN_HALF && ATTN_SPLIT3), "the fp16 operands and the 3xTF32 split are two builds");
 
-#define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32)
+#define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32 * ATTN_KEY_SPLIT)
 constexpr int kUnrollK = ATTN_UNROLL_K;
 // Row strides in shared memory, in operands. fp32: stride ≡ 8 (mod 32) makes the [row t][col g]
 // fragment reads of a warp (load_b, load_a_trans) hit 32 different banks; the [row g][col t]
@@ -457,12 +462,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[NT][4], Products product
     add_tile<NT>(acc, hi, lo);
 }
 
-// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and B (v_s or
-// k_s: [K][head_dim]): O += P V and dQ += dS K.
-template <int K>
-__device__ __forceinline__ void rows_times_add(float (&acc)[ATTN_HEAD_DIM / 8][4], const operand_t* p_s, int ld_p,
+// acc += A B for this warp's 16 rows of A (p_s: P or dS, [rows][ld_p], K columns) and the first
+// NT·8 columns of B (v_s or k_s: [K][head_dim]): O += P V and dQ += dS K.
+template <int K, int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void rows_times_add(float (&acc)[NT][4], const operand_t* p_s, int ld_p,
                                                const operand_t* b_s, int r0, int g, int t) {
-    constexpr int NT = ATTN_HEAD_DIM / 8;
     accumulate<NT>(acc, [&](float (&hi)[NT][4], float (&lo)[NT][4]) {
         rows_products<NT, K, false>(hi, lo, p_s, ld_p, b_s, r0, g, t);
     });
@@ -566,15 +570,17 @@ __device__ __forceinline__ void scale_rows(float c[NT][4], const float f[2]) {
     }
 }
 
-// Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result.
-__device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows,
-                                           const float c[ATTN_HEAD_DIM / 8][4], int g, int t) {
+// Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result (its
+// first NT·8 columns).
+template <int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows, const float c[NT][4], int g,
+                                           int t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + g + 8 * h;
         if (row < n_rows) {
 #pragma unroll
-            for (int n = 0; n < ATTN_HEAD_DIM / 8; ++n)
+            for (int n = 0; n < NT; ++n)
                 *reinterpret_cast<float2*>(dst + (long long)row * ld + n * 8 + 2 * t) =
                     make_float2(c[n][2 * h], c[n][2 * h + 1]);
         }

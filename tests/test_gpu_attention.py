@@ -57,7 +57,8 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 211)])
+# The resident kernel, the resident kernel with its keys split (128 blocks: one tile an SM), the streamed kernel.
+@pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 77), (2, 256, 211)])
 @pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge gradients", "huge and tiny operands", "tiny Q, huge K",
                                         "tiles apart", "huge padding"])
 def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_text, magnitudes):

@@ -821,3 +821,28 @@ def test_streamed_key_tiles_are_wide_where_they_add_no_padding(nt, precision, he
     staged = 2 * block_kv * head_dim
     assert smem == (4 * operands if precision == "fp32" else 2 * operands + 4 * staged)
     assert blocks == (3 if (precision, head_dim, block_kv) == ("tf32", 64, 32) else 2)
+
+
+@pytest.mark.parametrize("shape, hidden, heads, precision, split", [
+    ((2, 256, 77), 1024, 16, "tf32", 2), ((1, 512, 77), 1024, 16, "fp16", 2),  # 128 blocks: one tile an SM
+    ((2, 70, 20), 128, 2, "tf32", 2),
+    ((2, 691, 77), 1024, 16, "tf32", 1), ((64, 128, 77), 1024, 16, "fp16", 1),  # more blocks than SMs
+    ((2, 64, 77), 1024, 16, "fp32", 1),  # 3xTF32 operands: no split
+    ((2, 256, 211), 1024, 16, "tf32", 1)])  # streamed
+def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidden, heads, precision, split):
+    from cupy_xattn import attention_bwd
+    from cupy_xattn.checks import Problem
+    problem = Problem(*shape, hidden, heads, 64, 0.125)
+    name, keys, rows, smem, blocks, n_chunks, tiles, got = attention_bwd.launch_layout(problem, precision, 132)
+    assert got == split
+    if split > 1:  # keys padded to whole 16-key tiles per warp, one block of 8 warps per SM
+        assert keys % 32 == 0 and shape[2] <= keys < shape[2] + 32 and blocks == 1
+        assert shape[0] * heads * n_chunks <= 132 and tiles == 1
+        assert (name, keys, rows, smem, blocks) == attention_bwd.kernel_choice(shape[2], precision, 64, split)
+
+
+def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
+    from cupy_xattn import attention_bwd
+    from cupy_xattn.checks import Problem
+    monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", 128)  # 16 warps would not divide the head-dim tiles
+    assert attention_bwd.launch_layout(Problem(2, 256, 77, 1024, 16, 64, 0.125), "tf32", 132)[7] == 1
