@@ -2,17 +2,23 @@
 // mode's copies and remainders).
 //
 // A tensor x is stored as half(x · s) with s = 2^(HALF_TARGET_EXP − e), where 2^e is the
-// smallest power of two above max|x|. So the largest element lands just under 2^HALF_TARGET_EXP
-// (far from fp16's 65504: nothing overflows) and small tensors (gradients of 1e-8) are lifted
-// into fp16's normal range, keeping its 11-bit relative precision down to 2^-28 · max|x|.
+// smallest power of two above max|x| (or, below, the previous run's s). So the largest element
+// lands just under 2^HALF_TARGET_EXP (far from fp16's 65504: nothing overflows) and small tensors
+// (gradients of 1e-8) are lifted into fp16's normal range, keeping its 11-bit relative precision
+// down to 2^-26 · max|x|.
 // Powers of two make the scaling exact; a GEMM on two scaled tensors is undone by
 // alpha = (1/s_a)·(1/s_b).
 //
 // s depends on max|x|, known only after a pass over x. The copy is made in that same pass with
-// a guess, the scale the slot had in the previous run (1 at first), and a tensor is written
-// again only when its scale turned out different. Results never depend on the guess.
+// a guess, the scale the slot had in the previous run (1 at first), and the guess stands while it
+// puts max|x| within [2^(HALF_TARGET_EXP − 2), 2^(HALF_TARGET_EXP + 1)) (still far from 65504):
+// the max of a random input wanders across a power of two from one run to the next, and an exact
+// rule rewrote such tensors every other run. Powers of two scale exactly, so the guess changes
+// only elements that land in fp16's subnormal range (below 2^-26 · max|x|; the fp32 mode's
+// remainders, below 2^-15 · max|x|) by their last bits; a tensor outside the window is written again.
 //   half_copy_absmax: y = half(x · guess[slot]); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
-//   half_rescale:     s from amax_bits[slot]; inv_scale[slot] = 1/s; if s ≠ guess, y = half(x · s);
+//   half_rescale:     s = guess if within the window, else from amax_bits[slot]; inv_scale[slot] = 1/s;
+//                     if s ≠ guess, y = half(x · s);
 //                     then its last block to finish: alpha[i·n + j] = inv_scale[i] · inv_scale[j] for
 //                     all n slots, guess = 1/inv_scale and amax_bits zeroed, for the next group or run
 //
@@ -55,9 +61,15 @@ __device__ __forceinline__ float4* group_sums(const long long* meta, int n, int 
     return reinterpret_cast<float4*>(meta[4 * n + i]);
 }
 
-__device__ __forceinline__ float pow2_scale(unsigned amax_bits) {
+// The scale of a slot whose max|x| has bits amax_bits, after a copy at scale `guess`: the guess
+// while it puts max|x| within the window above, else 2^(HALF_TARGET_EXP − e) (1 with no finite
+// element other than 0, for which any scale is exact).
+__device__ __forceinline__ float pow2_scale(unsigned amax_bits, float guess) {
     const float amax = __uint_as_float(amax_bits);
-    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;  // no finite element other than 0: leave as is
+    const float copied_max = amax * guess;  // 0 or Inf at the extremes: outside the window
+    if (copied_max >= ldexpf(1.f, HALF_TARGET_EXP - 2) && copied_max < ldexpf(1.f, HALF_TARGET_EXP + 1))
+        return guess;
+    if (!(amax > 0.f) || amax_bits >= 0x7f800000u) return 1.f;
     int e;
     frexpf(amax, &e);  // amax < 2^e
     return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
@@ -152,9 +164,8 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 }
 
 // half_rescale runs two blocks per SM, each taking its share of every tensor whose scale changed:
-// when the guesses are right (every run after the first, unless a tensor's max crosses a power of
-// two, as it does from one random input to the next for some benchmark tensors) its blocks only
-// check and leave; a block per 1024 elements of each tensor took ~2.7 µs for that, and the alphas
+// when the guesses stand (every run after the first, unless a tensor's max moves by a factor of two
+// or more) its blocks only check and leave; a block per 1024 elements of each tensor took ~2.7 µs for that, and the alphas
 // kernel it replaces another ~1.5 with its gap. The alphas come from the last block to finish,
 // counted in `arrivals` (zero between launches: that block resets it; one counter per scaler, so
 // its groups' rescales run in stream order): block 0 wrote the inv_scale values and every block
@@ -168,7 +179,7 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     __shared__ float new_scale[HALF_THREADS];  // 0: the copy stands (the guess was right)
     if (threadIdx.x < n) {
         const int slot = group_slot(meta, n, threadIdx.x);
-        const float s = pow2_scale(amax_bits[slot]);
+        const float s = pow2_scale(amax_bits[slot], guess[slot]);
         new_scale[threadIdx.x] = s == guess[slot] ? 0.f : s;
         if (blockIdx.x == 0) {
             inv_scale[slot] = 1.f / s;  // same value for a shared slot

@@ -96,12 +96,16 @@ def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
               for m in members]
     alphas = scaler._state[9:18].reshape(3, 3)  # after amax bits, inverse scales, guesses (3 slots)
     inverse = numpy.ones(3, numpy.float32)  # a scaler's start
-    for exponents in ([0, 0, 0], [0, 0, 0], [5, -3, 0], [5, -3, 12], [-20, 30, 12], [0, 0, 0]):
+    # Factors of 2 and 1/2 keep the guess (max|x| · s stays within [2^12, 2^15)); 4 or 1/4 do not.
+    for exponents in ([0, 0, 0], [0, 0, 0], [5, -3, 0], [6, -4, 1], [5, -3, 0], [5, -3, 12], [-20, 30, 12],
+                      [-22, 32, 10], [0, 0, 0]):
         values = [b * numpy.float32(2.0 ** e) for b, e in zip(base, exponents)]
         for x, v in zip(sources, values):
             x.set(v)
         amax = numpy.array([numpy.abs(v).max() for v in values], numpy.float32)
-        s = numpy.ldexp(numpy.float32(1), 14 - numpy.frexp(amax)[1]).astype(numpy.float32)
+        exact = numpy.ldexp(numpy.float32(1), 14 - numpy.frexp(amax)[1]).astype(numpy.float32)
+        kept = (amax / inverse >= 2.0 ** 12) & (amax / inverse < 2.0 ** 15)
+        s = numpy.where(kept, 1 / inverse, exact).astype(numpy.float32)
         for m, (copy, rescale) in zip(members, groups):
             copy(), rescale()
             inverse[m] = 1 / s[m]  # the other group's slots keep their last scales
