@@ -128,6 +128,8 @@ class AttentionBackward:
         scales: the significands of TF32, kernels_cu/attention_common.cuh).
     sm_count : multiprocessors of the GPU, for the grid.
     o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
+    o_half : write O as fp16, O · s_O, at a power-of-two scale set from a bound on |V| (ATTN_O_HALF,
+        the fp16 mode's operand of dWo; precision "fp16" only): calls then pass ``o_scales``.
     """
 
     @staticmethod
@@ -138,9 +140,13 @@ class AttentionBackward:
             return 0
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size
 
-    def __init__(self, problem, precision, sm_count, o_transposed=False):
-        cupy = import_cupy()
+    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False):
         check_head_dim(problem)
+        if o_half and (o_transposed or precision != "fp16"):
+            raise ValueError(f"an fp16 O is written row-major in the fp16 mode, not with "
+                             f"o_transposed={o_transposed}, precision={precision!r}")
+        cupy = import_cupy()
+        self.o_half = o_half
         self.problem = problem
         (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk,
          split) = launch_layout(problem, precision, sm_count)
@@ -150,7 +156,8 @@ class AttentionBackward:
         defines = {"ATTN_BLOCK_Q": rows, "ATTN_BLOCK_KV": block_kv, "ATTN_HEAD_DIM": problem.head_dim,
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
                    "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
-                   "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed)}
+                   "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
+                   "ATTN_O_HALF": int(o_half)}
         self._main = kernels.get_kernel(SOURCE, name, defines)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -167,7 +174,7 @@ class AttentionBackward:
         n4 = n_text_rows * 2 * problem.hidden_size // 4  # float4s of dK|dV, each summed over the chunks
         self._reduce_grid = (max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),)
 
-    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None):
+    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None):
         """Launch on the current stream.
 
         Parameters
@@ -177,20 +184,27 @@ class AttentionBackward:
         bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
         dout : (B·Nv, D) float32, dO = dY Wo.
         o, dq : (B·Nv, D) float32 outputs: the attention output O (with o_transposed O^T, a
-            (D, o_t_stride(B·Nv)) array whose first B·Nv columns are written) and dQ.
+            (D, o_t_stride(B·Nv)) array whose first B·Nv columns are written; with o_half, float16
+            O · s_O) and dQ.
         dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D).
         text_lengths : (B,) int32 device array, optional
             Text tokens each sample attends to (1..Nt); default: all of them.
+        o_scales : with o_half, device addresses (float32 scalars) of inv_t and inv_w, where
+            max|T| ≤ 2^15 · inv_t and max|[Wk; Wv]| ≤ 2^15 · inv_w hold for the T and weights that
+            kv0 was computed from (as for the fp16 copies' inverse scales, half_scaling.cu), and
+            of inv_o, where 1 / s_O is written.
         """
         p = self.problem
+        if (o_scales is None) == self.o_half:
+            raise ValueError("o_scales goes with o_half, and only with it")
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
             (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
-             numpy.int32(self.tiles_per_chunk),
-             numpy.float32(p.scale)),
+             numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
+            + tuple(numpy.uint64(a) for a in (o_scales or (0, 0, 0))),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),

@@ -17,7 +17,9 @@ Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operand
 with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
 mode's copies and their remainders, each product as three fp16 GEMMs, hi·hi + hi·lo + lo·hi, for
 near-fp32 accuracy at fp16 tensor-core speed). The bias sums stay fp32 (FFMA) in every mode.
-Nothing uses atomics whose order varies: two calls give bitwise-identical results.
+Nothing uses atomics whose order varies: two calls on the same inputs give bitwise-identical
+results (a call on other inputs in between may leave an fp16 scale a power of two off, which
+changes only the last bits of fp16-subnormal elements: half_scaling.cu).
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
@@ -66,8 +68,11 @@ def _weight_grads_tn(precision, mv, mt):
     return video, video and mt >= _TN_MIN_TEXT_ROWS or precision == "tf32" and mt >= _TN_MIN_ROWS
 
 
-def _o_shape(video_tn, mv, d):
-    """O's buffer: O^T with rows padded to o_t_stride where [dWo | dWq] read transposes, else O."""
+def _o_shape(precision, video_tn, mv, d):
+    """O's float32 buffer: O^T with rows padded to o_t_stride where [dWo | dWq] read transposes,
+    none in the fp16 mode (the attention writes O's fp16 copy itself), else O."""
+    if precision == "fp16":
+        return (0,)
     return (d, o_t_stride(mv)) if video_tn else (mv, d)
 
 
@@ -149,6 +154,7 @@ class Backward:
     def __init__(self, problem, precision, stream, sm_count):
         cupy = import_cupy()
         self.problem, self.precision, self.stream = problem, precision, stream
+        self._o_half = None  # fp16: (O's fp16 copy, o_scales) for the attention (see _record)
         b, nv, nt, d = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
                         problem.hidden_size)
         mv, mt = b * nv, b * nt
@@ -156,9 +162,10 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn)
+        self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
+                                            o_half=precision == "fp16")
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
-        o_shape = _o_shape(video_tn, mv, d)
+        o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
@@ -189,11 +196,11 @@ class Backward:
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(video_tn, mv, d)) + 2 * mt * 2 * d
+        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d)) + 2 * mt * 2 * d
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
-            fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
+            fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(precision, mv, mt, d)
                             for rows, cols in _column_sum_shapes(stage, sm_count))
         transposed = (4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values() if shape)
                       if precision == "tf32" else 0)
@@ -257,8 +264,10 @@ class Backward:
         stage_a = [("video_latents", X, _X), ("text_embeddings", T, _T), ("query_weight", WQ, _WQ),
                    ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
                    ("grad_output", DY, _DY)]
-        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), (addr(self._dkv), DK, _DKV)]
-        shapes_a, shapes_b = _conversion_shapes(mv, mt, d)
+        # fp16: the attention writes O's copy itself (o_half), so the second group starts at dQ.
+        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), (addr(self._dkv), DK, _DKV)][
+            self.precision == "fp16":]
+        shapes_a, shapes_b = _conversion_shapes(self.precision, mv, mt, d)
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
@@ -271,6 +280,9 @@ class Backward:
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
              **half)
         self._join()
+        if self.precision == "fp16":
+            inv = self._scaler.inverse_scale
+            self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_O)))
         self._record_attention()
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
@@ -383,8 +395,9 @@ class Backward:
         """Record the attention kernel on the main lane. Steps close over what they use, not over
         self: an evicted plan is freed at once (no reference cycle waiting for the garbage collector)."""
         biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
-        attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, self._o, self._dq, self._dkv,
-                                               self._text_lengths)
+        o, o_scales = self._o_half or (self._o, None)
+        attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, o, self._dq, self._dkv,
+                                               self._text_lengths, o_scales)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
 
     def _record_column_sums(self, sources, outputs, rows, ld, lane):
@@ -450,12 +463,12 @@ class Backward:
             raise
 
 
-def _conversion_shapes(mv, mt, d):
+def _conversion_shapes(precision, mv, mt, d):
     """(element count, row length of its column sums or 0) of the tensors converted to fp16 before
-    the attention (X, T, Wq, Wk, Wv, Wo, dY) and after it (O, dQ, [dK | dV]): the bias gradients
-    are the column sums of dY, dQ and [dK | dV]."""
+    the attention (X, T, Wq, Wk, Wv, Wo, dY) and after it (O but in the fp16 mode, dQ, [dK | dV]):
+    the bias gradients are the column sums of dY, dQ and [dK | dV]."""
     return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)],
-            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)])
+            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)][precision == "fp16":])
 
 
 def _column_sum_shapes(shapes, sm_count):

@@ -91,5 +91,9 @@ class HalfScaler:
         """1 / s of each slot as of the last ``rescale`` (a CuPy view, for checks and probes)."""
         return self._state[self.n_slots:2 * self.n_slots]
 
+    def inverse_scale(self, i):
+        """Device address of 1 / s of slot i (float32)."""
+        return self._inv_scale + 4 * i
+
     def alpha(self, i, j):
         return self._alpha + 4 * (i * self.n_slots + j)

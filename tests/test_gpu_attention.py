@@ -8,15 +8,16 @@ from cupy_xattn.checks import Problem
 pytestmark = pytest.mark.gpu
 
 # Relative max error of O, dQ, dK, dV: TF32 products (10-bit mantissa) vs the 3xTF32 split.
-TOLERANCE = {"tf32": 5e-3, "fp32": 2e-5}
+TOLERANCE = {"tf32": 5e-3, "fp16": 5e-3, "fp32": 2e-5}
 
 
-@pytest.mark.parametrize("precision, o_transposed", [("tf32", False), ("tf32", True), ("fp32", False)])
+@pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("fp16", "half"),
+                                                 ("fp32", "rows")])
 @pytest.mark.parametrize("resident_rows", [64, 128])
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
     (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
     (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1)])
-def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, o_transposed, resident_rows,
+def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, o_layout, resident_rows,
                                             monkeypatch):
     import cupy
     monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", resident_rows)
@@ -30,13 +31,21 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 
     poison = lambda shape: cupy.full(shape, numpy.nan, numpy.float32)  # noqa: E731
     rows = batch_size * n_video
+    o_transposed, o_half = o_layout == "transposed", o_layout == "half"
     o = poison((hidden, attention_bwd.o_t_stride(rows))) if o_transposed else poison(q0.shape)  # tf32's O^T
+    o_scales, half_scales = None, None
+    if o_half:  # fp16 O at the scale of a bound on |V|: here 2 · (2 to 4 · max|V0| + max|bv|)
+        o = o.astype(numpy.float16)
+        inv_w = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(kv0[:, hidden:]).max() / hidden)) - 14)
+        half_scales = cupy.array([2.0 ** -15, inv_w, numpy.nan], numpy.float32)  # inv_t, inv_w, inv_o
+        o_scales = tuple(half_scales.data.ptr + 4 * i for i in range(3))
     dq, dkv = poison(q0.shape), poison(kv0.shape)
     biases = [cupy.asarray(b) for b in (bq, bk, bv)]
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed)
-    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv)
+    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half)
+    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
+           o_scales=o_scales)
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q = f64(q0, n_video) + bq
@@ -47,6 +56,12 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads)
     got_dkv = cupy.asnumpy(dkv).reshape(batch_size, n_text, 2 * hidden)
     got_o = cupy.asnumpy(o)[:, :rows].T if o_transposed else cupy.asnumpy(o)
+    if o_half:  # inv_o = 1 / s_O, s_O = 2^(14 − e) for the bound < 2^e (the kernel's float32 arithmetic)
+        bound = numpy.float32(2) * (numpy.float32(hidden * 2.0 ** 30 * 2.0 ** -15 * inv_w) + numpy.abs(bv).max())
+        inv_o = cupy.asnumpy(half_scales)[2]
+        assert inv_o == 2.0 ** (numpy.frexp(bound)[1] - 14), (inv_o, bound)
+        assert numpy.abs(got_o.astype(numpy.float64)).max() < 2.0 ** 14
+        got_o = got_o.astype(numpy.float64) * inv_o
     pairs = {"O": (got_o, ref_o), "dQ": (cupy.asnumpy(dq), ref_dq),
              "dK": (got_dkv[..., :hidden], ref_dk), "dV": (got_dkv[..., hidden:], ref_dv)}
     scale_dq = numpy.abs(ref_dv).max()  # dQ and dK are exactly 0 when n_text = 1

@@ -207,7 +207,7 @@ def gpu(monkeypatch):
         def __call__(self, grid, block, args, shared_mem=0):
             # A launch with the wrong argument count fails on a GPU (invalid argument or worse).
             assert len(args) == self.n_params, f"{self.name}: {len(args)} arguments for {self.n_params} parameters"
-            log.append(("kernel", self.name, get_current_stream().ptr))
+            log.append(("kernel", self.name, get_current_stream().ptr, args))
 
     class FakeHandle:
         WORKSPACE_BYTES = 0  # the fake allocates none
@@ -717,11 +717,12 @@ def test_tf32_weight_gradients_over_few_rows_read_the_row_major_operands(gpu, mo
 def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias_gradients(gpu, monkeypatch, precision):
     from cupy_xattn.half_scaling import column_sum_rows
     d = 128
-    program, _, _, calls = _recorded_program(gpu, monkeypatch, 0, precision)
+    program, entries, _, calls = _recorded_program(gpu, monkeypatch, 0, precision)
     dy, dq, dkv = program._column_sums  # dY's from before the attention, dQ's and [dK | dV]'s after it
+    o_copied = [140 * d] if precision == "fp32" else []  # fp16: the attention writes O's fp16 copy
     assert [a.shape for a in (dy, dq, dkv)] == [
         (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d], [d], 132)[0], d),
-        *zip(column_sum_rows([140 * d, 140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
+        *zip(column_sum_rows(o_copied + [140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
     sums = sorted((_table_entries(program, args[6], args[16]), args[4], args[8])
                   for args in calls if args[3] == 1)  # cuBLAS's n = 1: the ones row
     # Partial rows past the tensor's rows hold no data: the sums run over at most B·Nv (B·Nt) of them.
@@ -733,7 +734,21 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
         expected += [([dy.data.ptr], rows_dy, d), ([dq.data.ptr], rows_dq, d)]
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
-    assert stage_a[4 * 7:] == [0] * 6 + [dy.data.ptr] and stage_b[4 * 3:] == [0, dq.data.ptr, dkv.data.ptr]
+    assert stage_a[4 * 7:] == [0] * 6 + [dy.data.ptr]
+    assert stage_b[4 * len(stage_b) // 5:] == [0] * len(o_copied) + [dq.data.ptr, dkv.data.ptr]
+    # fp16: the attention writes O · s_O as fp16 where the copy of O goes, dWo reads it, and the
+    # inverse scales of T, [Wk; Wv] and O are the scaler's (O's written by the attention).
+    (o_arg, *scale_args), = [e[3][4:5] + e[3][-3:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    halves = stage_b[len(stage_b) // 5:2 * len(stage_b) // 5]  # the copies' destinations
+    if precision == "fp16":
+        from cupy_xattn.backward import _O, _T, _WKV
+        o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
+        assert int(o_arg) == o_copy
+        assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _O)]
+        dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
+        assert [_table_entries(program, args[6], 1) for args in dwo] == [[o_copy]]  # dWo = dY^T O
+    else:
+        assert scale_args == [0, 0, 0] and o_arg is program._o
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
@@ -846,3 +861,11 @@ def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
     from cupy_xattn.checks import Problem
     monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", 128)  # 16 warps would not divide the head-dim tiles
     assert attention_bwd.launch_layout(Problem(2, 256, 77, 1024, 16, 64, 0.125), "tf32", 132)[7] == 1
+
+
+@pytest.mark.parametrize("precision, o_transposed", [("tf32", False), ("fp32", False), ("fp16", True)])
+def test_an_fp16_o_is_only_for_the_fp16_mode_row_major(precision, o_transposed):
+    from cupy_xattn.attention_bwd import AttentionBackward
+    from cupy_xattn.checks import Problem
+    with pytest.raises(ValueError, match="fp16 O"):
+        AttentionBackward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, 132, o_transposed=o_transposed, o_half=True)
