@@ -130,6 +130,8 @@ class AttentionBackward:
     o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
     o_half : write O as fp16, O · s_O, at a power-of-two scale set from a bound on |V| (ATTN_O_HALF,
         the fp16 mode's operand of dWo; precision "fp16" only): calls then pass ``o_scales``.
+    reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
+        :attr:`partials` (the fp16 conversion does, reading them once).
     """
 
     @staticmethod
@@ -140,13 +142,13 @@ class AttentionBackward:
             return 0
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size
 
-    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False):
+    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_dkv=True):
         check_head_dim(problem)
         if o_half and (o_transposed or precision != "fp16"):
             raise ValueError(f"an fp16 O is written row-major in the fp16 mode, not with "
                              f"o_transposed={o_transposed}, precision={precision!r}")
         cupy = import_cupy()
-        self.o_half = o_half
+        self.o_half, self._reduce_dkv = o_half, reduce_dkv
         self.problem = problem
         (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk,
          split) = launch_layout(problem, precision, sm_count)
@@ -174,6 +176,12 @@ class AttentionBackward:
         n4 = n_text_rows * 2 * problem.hidden_size // 4  # float4s of dK|dV, each summed over the chunks
         self._reduce_grid = (max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),)
 
+    @property
+    def partials(self):
+        """The query chunks' dK/dV partials, (n_chunks, B·Nt, 2D) float32, summed over axis 0 into
+        ``dkv`` with reduce_dkv; None with one chunk (the kernel writes ``dkv`` itself)."""
+        return self._dkv_part
+
     def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None):
         """Launch on the current stream.
 
@@ -186,7 +194,8 @@ class AttentionBackward:
         o, dq : (B·Nv, D) float32 outputs: the attention output O (with o_transposed O^T, a
             (D, o_t_stride(B·Nv)) array whose first B·Nv columns are written; with o_half, float16
             O · s_O) and dQ.
-        dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D).
+        dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D) (not written without
+            reduce_dkv where there are ``partials``).
         text_lengths : (B,) int32 device array, optional
             Text tokens each sample attends to (1..Nt); default: all of them.
         o_scales : with o_half, device addresses (float32 scalars) of inv_t and inv_w, where
@@ -206,6 +215,6 @@ class AttentionBackward:
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
             + tuple(numpy.uint64(a) for a in (o_scales or (0, 0, 0))),
             shared_mem=self._smem_bytes)
-        if self._dkv_part is not None:
+        if self._dkv_part is not None and self._reduce_dkv:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),
                          (self._dkv_part, dkv, numpy.int64(dkv.size // 4), numpy.int32(self.n_chunks)))

@@ -162,8 +162,9 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
+        # The half modes' conversion sums the attention's dK/dV partials as it reads them.
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
-                                            o_half=precision == "fp16")
+                                            o_half=precision == "fp16", reduce_dkv=precision == "tf32")
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
@@ -265,8 +266,11 @@ class Backward:
                    ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
                    ("grad_output", DY, _DY)]
         # fp16: the attention writes O's copy itself (o_half), so the second group starts at dQ.
-        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), (addr(self._dkv), DK, _DKV)][
-            self.precision == "fp16":]
+        # [dK | dV]: the sum of the attention's partials, one per query chunk, where it has several.
+        partials = self._attention.partials
+        dkv = (addr(self._dkv), DK, _DKV) if partials is None else (addr(partials), DK, _DKV, partials.shape[0],
+                                                                    partials.size // partials.shape[0])
+        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), dkv][self.precision == "fp16":]
         shapes_a, shapes_b = _conversion_shapes(self.precision, mv, mt, d)
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
@@ -408,8 +412,8 @@ class Backward:
                    data_type=_R_32F, compute=_COMPUTE_32F, lane=lane)
 
     def _record_conversions(self, tensors, shapes):
-        """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot)] of
-        ``shapes`` [(elements, cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy),
+        """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot[, parts,
+        part_stride])] (HalfScaler.group: a source may be a sum of parts) of ``shapes`` [(elements, cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy),
         with the partial column sums of those given a row length ``cols``: [(address, rows)] of
         those, in order, where rows counts only the partial rows that can hold data (at most the
         tensor's rows: the rest are zeros, and the ones row that adds them up is only
@@ -422,8 +426,8 @@ class Backward:
         addresses = iter(s.data.ptr for s in sums)
         copy, rescale = self._scaler.group(self._table.address(first),
                                            [(size, dest, slot, 0 if lo is None else dest + lo,
-                                             next(addresses) if cols else 0, cols)
-                                            for (size, cols), (_, dest, slot) in zip(shapes, tensors)])
+                                             next(addresses) if cols else 0, cols, *parts)
+                                            for (size, cols), (_, dest, slot, *parts) in zip(shapes, tensors)])
         self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0)]
         summed_rows = [size // cols for size, cols in shapes if cols]
         return [(s.data.ptr, min(s.shape[0], rows)) for s, rows in zip(sums, summed_rows)]

@@ -63,21 +63,27 @@ class HalfScaler:
         Parameters
         ----------
         sources_address : device address of consecutive addresses of the fp32 sources.
-        tensors : list of ``(size, dest, slot, lo, sums, cols)``: element count, device address of
-            the fp16 copy, scale slot (tensors sharing a slot share one scale), device address of
-            the fp16 remainders (the fp32 mode's lo parts; 0: none), and of the partial column
-            sums of the tensor as a matrix of rows of ``cols`` elements (0: none): float32
-            [column_sum_rows(...)][cols], whose sum over rows is the column sums.
+        tensors : list of ``(size, dest, slot, lo, sums, cols[, parts, part_stride])``: element
+            count, device address of the fp16 copy, scale slot (tensors sharing a slot share one
+            scale), device address of the fp16 remainders (the fp32 mode's lo parts; 0: none), and
+            of the partial column sums of the tensor as a matrix of rows of ``cols`` elements (0:
+            none): float32 [column_sum_rows(...)][cols], whose sum over rows is the column sums;
+            the tensor is the sum of ``parts`` (default 1) slices of the source ``part_stride``
+            elements apart, added in order.
         """
         cupy = import_cupy()
-        if any(size % 4 or (sums and (cols <= 0 or cols % 4 or size % cols)) for size, _, _, _, sums, cols in tensors):
-            raise ValueError("half conversion needs sizes that are multiples of 4, and for column sums, row "
-                             "lengths that are positive multiples of 4 dividing the size")
+        tensors = [tuple(t) + (1, 0)[len(t) - 6:] for t in tensors]
+        if any(size % 4 or (sums and (cols <= 0 or cols % 4 or size % cols)) or parts < 1 or stride % 4
+               or (parts > 1 and stride < size) for size, _, _, _, sums, cols, parts, stride in tensors):
+            raise ValueError("half conversion needs sizes that are multiples of 4, for column sums row lengths "
+                             "that are positive multiples of 4 dividing the size, and at least one part, parts "
+                             "apart by a multiple of 4 elements, at least the size")
         n = len(tensors)
         if n > _THREADS:
             raise ValueError(f"a group holds at most {_THREADS} tensors (half_rescale), got {n}")
-        size, dest, slot, lo, sums, cols = zip(*tensors)
-        meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums), numpy.int64)
+        size, dest, slot, lo, sums, cols, parts, stride = zip(*tensors)
+        meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums) + list(parts)
+                          + [s // 4 for s in stride], numpy.int64)
         self._groups.append(meta)
         blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n))

@@ -41,7 +41,9 @@
 // the plan's pointer table (the caller's arrays move from call to call); meta holds, for n
 // tensors, n4[i] (element count / 4), then dest[i] (the fp16 copy's address), then slot[i] (its
 // scale slot; tensors may share one), then lo[i] (the remainder's address, 0 for none), then
-// sums[i] (below; 0 for none).
+// sums[i] (below; 0 for none), then parts[i] and part4[i]: x is the sum of parts[i] ≥ 1 slices of
+// the source part4[i] float4s apart, added in slice order (the attention's dK/dV partials of its
+// query chunks, summed here instead of by a pass of their own).
 //
 // Column sums (the bias gradients of dY, dQ, [dK | dV]), in the copy's pass over x: with x a
 // row-major [rows][4·cols4] matrix and gridDim.x·HALF_THREADS a multiple of cols4 (the launcher
@@ -60,6 +62,8 @@ __device__ __forceinline__ uint2* group_lo(const long long* meta, int n, int i) 
 __device__ __forceinline__ float4* group_sums(const long long* meta, int n, int i) {
     return reinterpret_cast<float4*>(meta[4 * n + i]);
 }
+__device__ __forceinline__ int group_parts(const long long* meta, int n, int i) { return (int)meta[5 * n + i]; }
+__device__ __forceinline__ long long group_part4(const long long* meta, int n, int i) { return meta[6 * n + i]; }
 
 // The scale of a slot whose max|x| has bits amax_bits, after a copy at scale `guess`: the guess
 // while it puts max|x| within the window above, else 2^(HALF_TARGET_EXP − e) (1 with no finite
@@ -117,16 +121,27 @@ __device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, f
                            pack_half2(remainder_of_half(c), remainder_of_half(d)));
 }
 
+// x[j] = Σ_c src[j + c · part4] over c < parts, in order.
+__device__ __forceinline__ float4 load_parts(const float4* src, long long j, int parts, long long part4) {
+    float4 v = load_streaming(src + j);
+    for (int c = 1; c < parts; ++c) {
+        const float4 w = load_streaming(src + j + c * part4);
+        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+    }
+    return v;
+}
+
 // each(j, x[j]) for j = j0, j0 + stride, … < n4, HALF_UNROLL loads in flight before each is called
-// (one at a time, the copy moved ~2.5–3.4 TB/s; the copy rate is ~4).
+// (one at a time, the copy moved ~2.5–3.4 TB/s; the copy rate is ~4); x as in load_parts.
 template <typename Each>
-__device__ __forceinline__ void for_each_quad(const float4* x, long long n4, long long j0, long long stride,
-                                              Each each) {
+__device__ __forceinline__ void for_each_quad(const float4* src, int parts, long long part4, long long n4,
+                                              long long j0, long long stride, Each each) {
     for (; j0 < n4; j0 += HALF_UNROLL * stride) {
         float4 v[HALF_UNROLL];
 #pragma unroll
         for (int u = 0; u < HALF_UNROLL; ++u)
-            v[u] = j0 + u * stride < n4 ? load_streaming(x + j0 + u * stride) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[u] = j0 + u * stride < n4 ? load_parts(src, j0 + u * stride, parts, part4)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int u = 0; u < HALF_UNROLL; ++u)
             if (j0 + u * stride < n4) each(j0 + u * stride, v[u]);
@@ -146,7 +161,9 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     float m = 0.f;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
-    for_each_quad(x, n4, g, (long long)gridDim.x * HALF_THREADS, [&](long long j, float4 v) {
+    const int parts = group_parts(meta, n, i);
+    const long long part4 = group_part4(meta, n, i);
+    for_each_quad(x, parts, part4, n4, g, (long long)gridDim.x * HALF_THREADS, [&](long long j, float4 v) {
         store_scaled(y, lo, j, v, s);
         m = fmaxf(m, fmaxf(fmaxf(finite_abs(v.x), finite_abs(v.y)), fmaxf(finite_abs(v.z), finite_abs(v.w))));
         sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
@@ -193,7 +210,8 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
         if (s == 0.f) continue;
         uint2* y = group_dest(meta, n, i);
         uint2* lo = group_lo(meta, n, i);
-        for_each_quad(sources[i], group_n4(meta, i), g, (long long)gridDim.x * HALF_THREADS,
+        for_each_quad(sources[i], group_parts(meta, n, i), group_part4(meta, n, i), group_n4(meta, i), g,
+                      (long long)gridDim.x * HALF_THREADS,
                       [&](long long j, float4 v) { store_scaled(y, lo, j, v, s); });
     }
     __shared__ bool last;

@@ -113,3 +113,31 @@ def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
             numpy.testing.assert_array_equal(cupy.asnumpy(alphas), numpy.outer(inverse, inverse))
         for v, h, scale in zip(values, halves, s):
             numpy.testing.assert_array_equal(cupy.asnumpy(h), (v * scale).astype(numpy.float16))
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_tensor_given_as_parts_is_their_sum_in_order_in_the_copy_the_rescale_and_the_column_sums(parts):
+    # The attention's dK|dV partials of its query chunks, summed by the conversion (no pass of their
+    # own): slices `stride` elements apart, added in slice order as attn_dkdv_reduce did.
+    import cupy
+    rng = numpy.random.default_rng(parts)
+    rows, cols, stride = 300, 256, 300 * 256 + 64
+    source = cupy.asarray(rng.standard_normal(parts * stride, dtype=numpy.float32) + 3)  # sums far from 0
+    table = cupy.array([source.data.ptr], numpy.uint64)
+    half = cupy.full(rows * cols, numpy.nan, numpy.float16)
+    (sum_rows,) = column_sum_rows([rows * cols], [cols], 132)
+    sums = cupy.full((sum_rows, cols), numpy.nan, numpy.float32)
+    scaler = HalfScaler(1, 132)
+    copy, rescale = scaler.group(table.data.ptr, [(rows * cols, half.data.ptr, 0, 0, sums.data.ptr, cols, parts,
+                                                   stride)])
+    for factor in (1.0, 2.0 ** 20):  # the second run's scale moves: the rescale rewrites from the parts
+        source *= numpy.float32(factor)
+        slices = cupy.asnumpy(source).reshape(parts, stride)[:, :rows * cols]
+        x = slices[0].copy()
+        for part in slices[1:]:
+            x += part  # float32, in order
+        copy(), rescale()
+        inverse = cupy.asnumpy(scaler.inverse_scales())[0]
+        numpy.testing.assert_array_equal(cupy.asnumpy(half), (x / inverse).astype(numpy.float16))
+        numpy.testing.assert_allclose(cupy.asnumpy(sums).astype(numpy.float64).sum(0),
+                                      x.reshape(rows, cols).astype(numpy.float64).sum(0), rtol=1e-5)

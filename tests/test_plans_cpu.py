@@ -242,15 +242,15 @@ def _run_counts(log, start=0):
     return {kind: part.count(kind) for kind in ("gemm", "kernel", "graph", "copy")}
 
 
-# Kernels: the attention and its dK|dV chunk reduction (70 rows = 2 query tiles, split in 2);
-# tf32 adds two transposes (Wo^T; [Wq^T | Wk^T | Wv^T]: its weight gradients over 140 and 40 rows
-# read the row-major operands, see test_tf32_weight_gradients_over_few_rows_...), fp16
-# and fp32 the copy and rescale kernels for each of their two groups of tensors (fp32's
-# copies write the remainders too).
+# Kernels: the attention (70 rows = 2 query tiles, split in 2) and, in tf32, its dK|dV chunk
+# reduction and two transposes (Wo^T; [Wq^T | Wk^T | Wv^T]: its weight gradients over 140 and 40 rows
+# read the row-major operands, see test_tf32_weight_gradients_over_few_rows_...); fp16 and fp32
+# the copy and rescale kernels for each of their two groups of tensors (fp32's copies write the
+# remainders too; the second copy sums the chunks' dK|dV partials).
 # GEMMs: 7 products (tf32: Q0 and dO batched in one, 6) and 2 bias sums; dWo and dWq are two in fp16
 # and fp32 (alphas differ); each
 # product is three GEMMs in fp32 (3xFP16).
-@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 8, 4), ("fp32", 26, 6), ("fp16", 10, 6)])
+@pytest.mark.parametrize("precision, gemms, kernels", [("tf32", 8, 4), ("fp32", 26, 5), ("fp16", 10, 5)])
 def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms, kernels):
     import cupy_xattn
     plan = cupy_xattn.plan(2, 70, 20, hidden_size=128, num_heads=2, precision=precision)
@@ -734,12 +734,18 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
         expected += [([dy.data.ptr], rows_dy, d), ([dq.data.ptr], rows_dq, d)]
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
-    assert stage_a[4 * 7:] == [0] * 6 + [dy.data.ptr]
-    assert stage_b[4 * len(stage_b) // 5:] == [0] * len(o_copied) + [dq.data.ptr, dkv.data.ptr]
+    n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
+    assert stage_a[4 * 7:5 * 7] == [0] * 6 + [dy.data.ptr]
+    assert stage_b[4 * n:5 * n] == [0] * len(o_copied) + [dq.data.ptr, dkv.data.ptr]
+    # [dK | dV] is the sum of the attention's two query chunks' partials (no reduction kernel).
+    partials = program._attention.partials
+    assert partials.shape == (2, 40, 2 * d) and stage_b[5 * n:] == [1] * (n - 1) + [2] + [0] * (n - 1) + [20 * d]
+    copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]  # (sources, meta, n, ...)
+    assert _table_entries(program, int(copies[1][0]), n)[-1] == partials.data.ptr
     # fp16: the attention writes O · s_O as fp16 where the copy of O goes, dWo reads it, and the
     # inverse scales of T, [Wk; Wv] and O are the scaler's (O's written by the attention).
     (o_arg, *scale_args), = [e[3][4:5] + e[3][-3:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
-    halves = stage_b[len(stage_b) // 5:2 * len(stage_b) // 5]  # the copies' destinations
+    halves = stage_b[n:2 * n]  # the copies' destinations
     if precision == "fp16":
         from cupy_xattn.backward import _O, _T, _WKV
         o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
