@@ -121,18 +121,11 @@ __device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, f
                            pack_half2(remainder_of_half(c), remainder_of_half(d)));
 }
 
-// x[j] = Σ_c src[j + c · part4] over c < parts, in order.
-__device__ __forceinline__ float4 load_parts(const float4* src, long long j, int parts, long long part4) {
-    float4 v = load_streaming(src + j);
-    for (int c = 1; c < parts; ++c) {
-        const float4 w = load_streaming(src + j + c * part4);
-        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-    }
-    return v;
-}
+__device__ __forceinline__ void add_to(float4& v, float4 w) { v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w; }
 
 // each(j, x[j]) for j = j0, j0 + stride, … < n4, HALF_UNROLL loads in flight before each is called
-// (one at a time, the copy moved ~2.5–3.4 TB/s; the copy rate is ~4); x as in load_parts.
+// (one at a time, the copy moved ~2.5–3.4 TB/s; the copy rate is ~4); x[j] = Σ_c src[j + c · part4]
+// over c < parts, added in order.
 template <typename Each>
 __device__ __forceinline__ void for_each_quad(const float4* src, int parts, long long part4, long long n4,
                                               long long j0, long long stride, Each each) {
@@ -140,8 +133,12 @@ __device__ __forceinline__ void for_each_quad(const float4* src, int parts, long
         float4 v[HALF_UNROLL];
 #pragma unroll
         for (int u = 0; u < HALF_UNROLL; ++u)
-            v[u] = j0 + u * stride < n4 ? load_parts(src, j0 + u * stride, parts, part4)
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[u] = j0 + u * stride < n4 ? load_streaming(src + j0 + u * stride) : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int c = 1; c < parts; ++c) {
+#pragma unroll
+            for (int u = 0; u < HALF_UNROLL; ++u)
+                if (j0 + u * stride < n4) add_to(v[u], load_streaming(src + c * part4 + j0 + u * stride));
+        }
 #pragma unroll
         for (int u = 0; u < HALF_UNROLL; ++u)
             if (j0 + u * stride < n4) each(j0 + u * stride, v[u]);
