@@ -203,28 +203,14 @@ template <int NT = ATTN_HEAD_DIM / 8>
 __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, const float c[NT][4], int g, int t,
                                         float s_o) {
 #if ATTN_O_HALF
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + g + 8 * h;
-        if (row < n_rows) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<unsigned*>(o + (long long)row * ld + n * 8 + 2 * t) =
-                    pack_half2(c[n][2 * h] * s_o, c[n][2 * h + 1] * s_o);
-        }
-    }
+    for_each_pair<NT>(row0, n_rows, c, g, t, [&](int row, int col, float x0, float x1) {
+        *reinterpret_cast<unsigned*>(o + (long long)row * ld + col) = pack_half2(x0 * s_o, x1 * s_o);
+    });
 #elif ATTN_O_TRANSPOSED
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + g + 8 * h;
-        if (row < n_rows) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                o[(long long)(n * 8 + 2 * t) * ld + row] = c[n][2 * h];
-                o[(long long)(n * 8 + 2 * t + 1) * ld + row] = c[n][2 * h + 1];
-            }
-        }
-    }
+    for_each_pair<NT>(row0, n_rows, c, g, t, [&](int row, int col, float x0, float x1) {
+        o[(long long)col * ld + row] = x0;
+        o[(long long)(col + 1) * ld + row] = x1;
+    });
 #else
     store_rows<NT>(o, ld, row0, n_rows, c, g, t);
 #endif

@@ -570,21 +570,28 @@ __device__ __forceinline__ void scale_rows(float c[NT][4], const float f[2]) {
     }
 }
 
-// Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result (its
-// first NT·8 columns).
-template <int NT = ATTN_HEAD_DIM / 8>
-__device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows, const float c[NT][4], int g,
-                                           int t) {
+// each(row, col, x0, x1) for this thread's pairs (columns col, col + 1) of a warp's 16 accumulator
+// rows [row0, +16) (its first NT·8 columns), rows from n_rows on left out.
+template <int NT, typename Each>
+__device__ __forceinline__ void for_each_pair(int row0, int n_rows, const float c[NT][4], int g, int t, Each each) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + g + 8 * h;
         if (row < n_rows) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float2*>(dst + (long long)row * ld + n * 8 + 2 * t) =
-                    make_float2(c[n][2 * h], c[n][2 * h + 1]);
+            for (int n = 0; n < NT; ++n) each(row, n * 8 + 2 * t, c[n][2 * h], c[n][2 * h + 1]);
         }
     }
+}
+
+// Store this warp's 16-row accumulator rows [row0 + r0, +16) of a [rows][head_dim] result (its
+// first NT·8 columns).
+template <int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, int n_rows, const float c[NT][4], int g,
+                                           int t) {
+    for_each_pair<NT>(row0, n_rows, c, g, t, [&](int row, int col, float x0, float x1) {
+        *reinterpret_cast<float2*>(dst + (long long)row * ld + col) = make_float2(x0, x1);
+    });
 }
 
 }  // namespace
