@@ -107,15 +107,19 @@ def launch_layout(problem, precision, sm_count):
     tiles_per_chunk, ATTN_KEY_SPLIT) for ``problem``. The resident kernel splits its keys
     (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one
     tile as one chain of dependent instructions, and two warps a row halve it."""
-    heads = problem.batch_size * problem.num_heads
-    for key_split in (1, RESIDENT_KEY_SPLIT):
+    def layout(key_split):
         name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim,
                                                               key_split)
-        n_chunks, tiles_per_chunk = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
-                                             sm_count, blocks_per_sm, rows)
-        if not (keys and rows == 64 and operand_bytes(precision) == 2 and heads * n_chunks <= sm_count):
-            break
-    return name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split
+        return (name, keys, rows, smem, blocks_per_sm,
+                *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count, blocks_per_sm,
+                          rows), key_split)
+
+    unsplit = layout(1)
+    _, keys, rows, _, _, n_chunks, _, _ = unsplit
+    one_block_per_sm = problem.batch_size * problem.num_heads * n_chunks <= sm_count
+    if keys and rows == 64 and operand_bytes(precision) == 2 and one_block_per_sm:
+        return layout(RESIDENT_KEY_SPLIT)
+    return unsplit
 
 
 class AttentionBackward:
@@ -131,7 +135,7 @@ class AttentionBackward:
     o_half : write O as fp16, O · s_O, at a power-of-two scale set from a bound on |V| (ATTN_O_HALF,
         the fp16 mode's operand of dWo; precision "fp16" only): calls then pass ``o_scales``.
     reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
-        :attr:`partials` (the fp16 conversion does, reading them once).
+        :attr:`partials` (the fp16 and fp32 modes' conversion does, reading them once).
     """
 
     @staticmethod
@@ -148,7 +152,7 @@ class AttentionBackward:
             raise ValueError(f"an fp16 O is written row-major in the fp16 mode, not with "
                              f"o_transposed={o_transposed}, precision={precision!r}")
         cupy = import_cupy()
-        self.o_half, self._reduce_dkv = o_half, reduce_dkv
+        self.o_half = o_half
         self.problem = problem
         (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk,
          split) = launch_layout(problem, precision, sm_count)
@@ -167,7 +171,7 @@ class AttentionBackward:
         # H200 left room for fewer blocks than the shared memory allows (also below 48 KiB, as the
         # fp16 operands' tiles are).
         self._main.preferred_shared_memory_carveout = 100
-        self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines)
+        self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines) if reduce_dkv else None
         n_text_rows = problem.batch_size * problem.num_text_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
                           if self.n_chunks > 1 else None)
@@ -215,6 +219,6 @@ class AttentionBackward:
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
             + tuple(numpy.uint64(a) for a in (o_scales or (0, 0, 0))),
             shared_mem=self._smem_bytes)
-        if self._dkv_part is not None and self._reduce_dkv:
+        if self._dkv_part is not None and self._reduce is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),
                          (self._dkv_part, dkv, numpy.int64(dkv.size // 4), numpy.int32(self.n_chunks)))

@@ -44,7 +44,7 @@ import numpy
 from . import _cublas
 from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
-from .attention_bwd import AttentionBackward, o_t_stride
+from .attention_bwd import AttentionBackward, launch_layout, o_t_stride
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler, column_sum_rows
 from .transpose import Transposed
@@ -74,6 +74,12 @@ def _o_shape(precision, video_tn, mv, d):
     if precision == "fp16":
         return (0,)
     return (d, o_t_stride(mv)) if video_tn else (mv, d)
+
+
+def _dkv_shape(precision, n_chunks, mt, d):
+    """[dK | dV]'s float32 buffer: none where the half modes' conversion sums the attention's
+    partials of several query chunks (AttentionBackward(reduce_dkv=False))."""
+    return (0,) if precision != "tf32" and n_chunks > 1 else (mt, 2 * d)
 
 
 def _tf32_shapes(mv, mt, d):
@@ -168,7 +174,9 @@ class Backward:
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
-        self._dq, self._dkv = f32(mv, d), f32(mt, 2 * d)
+        # [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
+        self._dq = f32(mv, d)
+        self._dkv = f32(*_dkv_shape(precision, self._attention.n_chunks, mt, d))
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
         self._all_keys = numpy.full(b, nt, numpy.int32)
@@ -197,7 +205,9 @@ class Backward:
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d)) + 2 * mt * 2 * d
+        n_chunks = launch_layout(problem, precision, sm_count)[5]
+        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d)) + mt * 2 * d
+                    + math.prod(_dkv_shape(precision, n_chunks, mt, d))
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
@@ -413,7 +423,8 @@ class Backward:
 
     def _record_conversions(self, tensors, shapes):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot[, parts,
-        part_stride])] (HalfScaler.group: a source may be a sum of parts) of ``shapes`` [(elements, cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy),
+        part_stride])] (HalfScaler.group: a source may be a sum of parts) of ``shapes`` [(elements,
+        cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy),
         with the partial column sums of those given a row length ``cols``: [(address, rows)] of
         those, in order, where rows counts only the partial rows that can hold data (at most the
         tensor's rows: the rest are zeros, and the ones row that adds them up is only

@@ -14,7 +14,8 @@
 //                     aligned rows): the tf32 mode's dWo = dY^T O then reads both operands
 //                     K-major (transpose.cu says why); with ATTN_O_HALF it is fp16, O · s_O
 //                     (o_half_scale), the operand of the fp16 mode's dWo GEMM
-//   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce)
+//   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce,
+//                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
 //                     dK and dV rows come out 0 (every row of dkv_part is still written). Their K
@@ -220,9 +221,10 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
 // before any O is known, from a bound: rows of P sum to 1, so |O| ≤ max|V| ≤ hidden · max|T| ·
 // max|Wv| + max|bv| (V = T Wv^T + bv), and the fp16 copies that V0 was computed from bound
 // max|T| ≤ 2^15 · inv_t and max|Wv| ≤ 2^15 · inv_w (half_scaling.cu's window). Twice that covers
-// every rounding; s_O puts it under 2^14. The bound is loose (~2^14 on the benchmark's inputs, as
-// O averages over the keys), which costs only range: elements under 2^-14 / s_O are fp16
-// subnormals, off by at most 2^-25 / s_O, ~2^-13 of the rounding of O's largest elements there.
+// every rounding; s_O puts it under 2^14. The bound is loose (~2^12 on the benchmark's inputs, as
+// O averages over the keys; more where padded T rows or Wk, which share the bound, are larger
+// than what reaches O), which costs range: elements under 2^-14 / s_O are fp16 subnormals, off
+// by at most 2^-25 / s_O (README: from ~2^16 more, dWo's error grows).
 // Every block finds the same s_O; block (0, 0, 0) writes inv_o = 1 / s_O for the dWo GEMM's alpha.
 // The block's max|bv| goes through red (publish_max, then a barrier).
 __device__ __forceinline__ float o_half_scale(const float* bv, int hidden, const float* inv_t, const float* inv_w,

@@ -178,12 +178,13 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 }
 
 // half_rescale runs two blocks per SM, each taking its share of every tensor whose scale changed:
-// when the guesses stand (every run after the first, unless a tensor's max moves by a factor of two
-// or more) its blocks only check and leave; a block per 1024 elements of each tensor took ~2.7 µs for that, and the alphas
-// kernel it replaces another ~1.5 with its gap. The alphas come from the last block to finish,
-// counted in `arrivals` (zero between launches: that block resets it; one counter per scaler, so
-// its groups' rescales run in stream order): block 0 wrote the inv_scale values and every block
-// read amax_bits and guess before counting itself, so the last one may read and clear them.
+// when the guesses stand (every run after the first, unless a tensor's max leaves the window of the
+// run that set its scale) its blocks only check and leave; a block per 1024 elements of each tensor
+// took ~2.7 µs for that, and the alphas kernel it replaces another ~1.5 with its gap. The alphas
+// come from the last block to finish, counted in `arrivals` (zero between launches: that block
+// resets it; one counter per scaler, so its groups' rescales run in stream order): block 0 wrote
+// the inv_scale values and every block read amax_bits and guess before counting itself, so the
+// last one may read and clear them.
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,

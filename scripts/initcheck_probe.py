@@ -49,17 +49,25 @@ def probe_attention(shape, precision):
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     problem = Problem(b, nv, nt, hidden, heads, hidden // heads, (hidden // heads) ** -0.5)
     # As the backward runs it: tf32 writes O^T (D rows of stride o_t_stride(B·Nv), the first B·Nv
-    # columns) from 1024 video rows, O below; both here, whatever the shape.
+    # columns) from 1024 video rows, O below; both here, whatever the shape. fp16 writes O as fp16
+    # at a scale from a bound on |V| (inverse scales of T and the weights: 2^-15, 2^-10 bound
+    # max|V0| by hidden · 32 here).
+    o_half = precision == "fp16"
+    o_scales = cupy.array([2.0 ** -15, 2.0 ** -10, numpy.nan], numpy.float32) if o_half else None
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
     for o_transposed, lengths in itertools.product(
             (False, True) if precision == "tf32" else (False,),
             (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
-        backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed)
+        backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed,
+                                                   o_half=o_half)
         o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
         lengths = cupy.asarray(lengths)
         o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
                          for shape in (o_shape, q0.shape, kv0.shape, q0.shape))  # poisoned
-        backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths)
+        if o_half:
+            o = o.astype(numpy.float16)
+        backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths,
+                 o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(3)))
         forward(q0, kv0, table.data.ptr, lengths, y)
         finite = all(bool(cupy.isfinite(x).all()) for x in (o[:, :b * nv] if o_transposed else o, dq, dkv, y))
         print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)
@@ -68,14 +76,16 @@ def probe_attention(shape, precision):
 
 
 def probe_conversions(shape):
-    """fp16 copies and remainders of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV], with the
-    partial column sums of dY, dQ and [dK | dV]; the tf32 mode's transposes of the weights (side by
-    side), of X and dY and of [dK | dV] (rows padded as there), with column sums of dY and [dK | dV]."""
+    """fp16 copies and remainders of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV] (the sum
+    of two chunks' partials, as the half modes take it), with the partial column sums of dY, dQ and
+    [dK | dV]; the tf32 mode's transposes of the weights (side by side), of X and dY and of
+    [dK | dV] (rows padded as there), with column sums of dY and [dK | dV]."""
     case, d, _ = sanitize.parse(shape)
     mv, mt = case.batch_size * case.num_video_tokens, case.batch_size * case.num_text_tokens
     sizes = [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
     rng = numpy.random.default_rng(0)
-    sources = [cupy.asarray(rng.standard_normal(size, dtype=numpy.float32)) for size in sizes]
+    parts = [1] * 9 + [2]
+    sources = [cupy.asarray(rng.standard_normal(n * size, dtype=numpy.float32)) for n, size in zip(parts, sizes)]
     table = cupy.array([x.data.ptr for x in sources], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     halves = [(cupy.full(size, numpy.nan, numpy.float16), cupy.full(size, numpy.nan, numpy.float16)) for size in sizes]
@@ -83,9 +93,9 @@ def probe_conversions(shape):
     row_lengths = [0] * 6 + [d, 0, d, 2 * d]  # column sums of dY, dQ, [dK | dV]
     sum_rows = iter(column_sum_rows(sizes, [c for c in row_lengths if c], sm_count))
     sums = [cupy.full((next(sum_rows), c), numpy.nan, numpy.float32) if c else None for c in row_lengths]
-    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, s.data.ptr if c else 0, c)
-                                                  for i, (size, (hi, lo), s, c)
-                                                  in enumerate(zip(sizes, halves, sums, row_lengths))])
+    copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, s.data.ptr if c else 0, c, n,
+                                                   size) for i, (size, (hi, lo), s, c, n)
+                                                  in enumerate(zip(sizes, halves, sums, row_lengths, parts))])
     copy(), rescale()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
     x_t = cupy.full((2, d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)  # X^T, dY^T apart
