@@ -39,6 +39,8 @@ class HalfScaler:
     """
 
     def __init__(self, n_slots, sm_count):
+        if not 1 <= n_slots <= _THREADS:
+            raise ValueError(f"a scaler holds 1 to {_THREADS} slots (half_rescale), got {n_slots}")
         cupy = import_cupy()
         self.n_slots = n_slots
         self._sm_count = sm_count

@@ -182,9 +182,9 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 // run that set its scale) its blocks only check and leave; a block per 1024 elements of each tensor
 // took ~2.7 µs for that, and the alphas kernel it replaces another ~1.5 with its gap. The alphas
 // come from the last block to finish, counted in `arrivals` (zero between launches: that block
-// resets it; one counter per scaler, so its groups' rescales run in stream order): block 0 wrote
-// the inv_scale values and every block read amax_bits and guess before counting itself, so the
-// last one may read and clear them.
+// resets it; one counter per scaler, so its groups' rescales run in stream order): every block
+// read amax_bits, guess and inv_scale before counting itself, so the last one may write them,
+// from what it read itself (no read after the count: a block's reads are one round, ~0.5 µs).
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,
@@ -192,38 +192,38 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
     // them one after the other waited n times for the chain meta → amax_bits → guess.
     __shared__ float new_scale[HALF_THREADS];  // 0: the copy stands (the guess was right)
+    __shared__ float inv[HALF_THREADS];        // every slot's 1 / s after this group (n_slots ≤ HALF_THREADS)
+    if (threadIdx.x < n_slots) inv[threadIdx.x] = inv_scale[threadIdx.x];
+    int slot = 0;
+    float s = 1.f;
     if (threadIdx.x < n) {
-        const int slot = group_slot(meta, n, threadIdx.x);
-        const float s = pow2_scale(amax_bits[slot], guess[slot]);
+        slot = group_slot(meta, n, threadIdx.x);
+        s = pow2_scale(amax_bits[slot], guess[slot]);
         new_scale[threadIdx.x] = s == guess[slot] ? 0.f : s;
-        if (blockIdx.x == 0) {
-            inv_scale[slot] = 1.f / s;  // same value for a shared slot
-            __threadfence();            // visible to all before this block counts as arrived
-        }
     }
     __syncthreads();
+    if (threadIdx.x < n) inv[slot] = 1.f / s;  // after the barrier: over the old value; a shared slot's are equal
     const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
     for (int i = 0; i < n; ++i) {
-        const float s = new_scale[i];
-        if (s == 0.f) continue;
+        const float scale = new_scale[i];
+        if (scale == 0.f) continue;
         uint2* y = group_dest(meta, n, i);
         uint2* lo = group_lo(meta, n, i);
         for_each_quad(sources[i], group_parts(meta, n, i), group_part4(meta, n, i), group_n4(meta, i), g,
                       (long long)gridDim.x * HALF_THREADS,
-                      [&](long long j, float4 v) { store_scaled(y, lo, j, v, s); });
+                      [&](long long j, float4 v) { store_scaled(y, lo, j, v, scale); });
     }
     __shared__ bool last;
-    __syncthreads();  // this block's reads of amax_bits and guess are done
+    __syncthreads();  // this block's reads of amax_bits, guess and inv_scale are done; inv is complete
     if (threadIdx.x == 0) {
         __threadfence();
         last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
     }
     __syncthreads();
     if (!last) return;
-    __threadfence();
-    const volatile float* inv = inv_scale;  // written by another block: not from this SM's L1
     for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) alpha[k] = inv[k / n_slots] * inv[k % n_slots];
     for (int k = threadIdx.x; k < n_slots; k += HALF_THREADS) {
+        inv_scale[k] = inv[k];
         amax_bits[k] = 0u;
         guess[k] = 1.f / inv[k];  // exact: a power of two
     }

@@ -875,3 +875,10 @@ def test_an_fp16_o_is_only_for_the_fp16_mode_row_major(precision, o_transposed):
     from cupy_xattn.checks import Problem
     with pytest.raises(ValueError, match="fp16 O"):
         AttentionBackward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, 132, o_transposed=o_transposed, o_half=True)
+
+
+@pytest.mark.parametrize("n_slots", [0, 257])
+def test_a_scaler_holds_1_to_256_slots(n_slots):
+    from cupy_xattn.half_scaling import HalfScaler
+    with pytest.raises(ValueError, match="slots"):
+        HalfScaler(n_slots, 132)
