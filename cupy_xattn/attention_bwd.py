@@ -202,10 +202,10 @@ class AttentionBackward:
             reduce_dkv where there are ``partials``).
         text_lengths : (B,) int32 device array, optional
             Text tokens each sample attends to (1..Nt); default: all of them.
-        o_scales : with o_half, device addresses (float32 scalars) of inv_t and inv_w, where
+        o_scales : with o_half, device addresses (float32 scalars) of inv_t, inv_w and inv_bv, where
             max|T| ≤ 2^15 · inv_t and max|[Wk; Wv]| ≤ 2^15 · inv_w hold for the T and weights that
-            kv0 was computed from (as for the fp16 copies' inverse scales, half_scaling.cu), and
-            of inv_o, where 1 / s_O is written.
+            kv0 was computed from, and max|bv| ≤ 2^15 · inv_bv (as for the fp16 copies' inverse
+            scales, half_scaling.cu), and of inv_o, where 1 / s_O is written.
         """
         p = self.problem
         if (o_scales is None) == self.o_half:
@@ -217,7 +217,7 @@ class AttentionBackward:
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
-            + tuple(numpy.uint64(a) for a in (o_scales or (0, 0, 0))),
+            + tuple(numpy.uint64(a) for a in (o_scales or (0, 0, 0, 0))),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None and self._reduce is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),

@@ -94,9 +94,9 @@ def _tf32_shapes(mv, mt, d):
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
-_X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV = range(9)
+_X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV, _BV = range(10)  # _BV: fp16 only, for max|bv| (the O bound)
 _VIDEO_BIASES, _TEXT_BIASES = ["grad_output_bias", "grad_query_bias"], ["grad_key_bias", "grad_value_bias"]
-_N_SLOTS = 9
+_N_SLOTS = 10
 
 
 class PointerTable:
@@ -268,13 +268,13 @@ class Backward:
         self._halves = cupy.empty(copies * sum(sizes), numpy.float16)
         if copies == 2:
             self._lo_offset = 2 * sum(sizes)
-        X, T, WQ, WK, WO, DY, O, DQ, DK = (self._halves.data.ptr + 2 * start
-                                           for start in numpy.cumsum([0] + sizes[:-1]).tolist())
+        X, T, WQ, WK, WO, DY, O, DQ, DK, BV = (self._halves.data.ptr + 2 * start
+                                               for start in numpy.cumsum([0] + sizes[:-1]).tolist())
         WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
         # (source entry, fp16 destination, scale slot), in the order of _conversion_shapes
         stage_a = [("video_latents", X, _X), ("text_embeddings", T, _T), ("query_weight", WQ, _WQ),
                    ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
-                   ("grad_output", DY, _DY)]
+                   ("grad_output", DY, _DY)] + [("value_bias", BV, _BV)] * (self.precision == "fp16")
         # fp16: the attention writes O's copy itself (o_half), so the second group starts at dQ.
         # [dK | dV]: the sum of the attention's partials, one per query chunk, where it has several.
         partials = self._attention.partials
@@ -296,7 +296,7 @@ class Backward:
         self._join()
         if self.precision == "fp16":
             inv = self._scaler.inverse_scale
-            self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_O)))
+            self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_O)))
         self._record_attention()
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
@@ -480,10 +480,12 @@ class Backward:
 
 def _conversion_shapes(precision, mv, mt, d):
     """(element count, row length of its column sums or 0) of the tensors converted to fp16 before
-    the attention (X, T, Wq, Wk, Wv, Wo, dY) and after it (O but in the fp16 mode, dQ, [dK | dV]):
-    the bias gradients are the column sums of dY, dQ and [dK | dV]."""
-    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)],
-            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)][precision == "fp16":])
+    the attention (X, T, Wq, Wk, Wv, Wo, dY, and in the fp16 mode bv, whose scale bounds max|bv| for
+    the attention's O) and after it (O but in the fp16 mode, dQ, [dK | dV]): the bias gradients
+    are the column sums of dY, dQ and [dK | dV]."""
+    fp16 = precision == "fp16"
+    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)] + [(d, 0)] * fp16,
+            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)][fp16:])
 
 
 def _column_sum_shapes(shapes, sm_count):
@@ -496,8 +498,8 @@ def _column_sum_shapes(shapes, sm_count):
 
 def _half_elements(mv, mt, d):
     """Sizes (fp16 elements, each rounded up to 256 bytes) of the fp16 copies, in their order in
-    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV]."""
-    sizes = [mv * d, mt * d, d * d, 2 * d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
+    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV], bv (fp16 mode only)."""
+    sizes = [mv * d, mt * d, d * d, 2 * d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d, d]
     return [-(-size // 128) * 128 for size in sizes]
 
 

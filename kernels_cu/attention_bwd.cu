@@ -219,25 +219,22 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
 
 // s_O, the scale of the fp16 O (ATTN_O_HALF), a power of two that all blocks must share, fixed
 // before any O is known, from a bound: rows of P sum to 1, so |O| ≤ max|V| ≤ hidden · max|T| ·
-// max|Wv| + max|bv| (V = T Wv^T + bv), and the fp16 copies that V0 was computed from bound
-// max|T| ≤ 2^15 · inv_t and max|Wv| ≤ 2^15 · inv_w (half_scaling.cu's window). Twice that covers
+// max|Wv| + max|bv| (V = T Wv^T + bv), and the fp16 copies' scales bound max|T| ≤ 2^15 · inv_t,
+// max|Wv| ≤ 2^15 · inv_w and max|bv| ≤ 2^15 · inv_bv (half_scaling.cu's window). Twice that covers
 // every rounding; s_O puts it under 2^14. The bound is loose (~2^12 on the benchmark's inputs, as
 // O averages over the keys; more where padded T rows or Wk, which share the bound, are larger
 // than what reaches O), which costs range: elements under 2^-14 / s_O are fp16 subnormals, off
-// by at most 2^-25 / s_O (README: from ~2^16 more, dWo's error grows).
-// Every block finds the same s_O; block (0, 0, 0) writes inv_o = 1 / s_O for the dWo GEMM's alpha.
-// The block's max|bv| goes through red (publish_max, then a barrier).
-__device__ __forceinline__ float o_half_scale(const float* bv, int hidden, const float* inv_t, const float* inv_w,
-                                              float* inv_o, float* red) {
-    float m = 0.f;
-    for (int i = threadIdx.x; i < hidden; i += ATTN_THREADS) m = fmaxf(m, finite_abs(bv[i]));
-    publish_max(red, m);
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-    const float s_o = pow2_scale(2.f * fmaf(static_cast<float>(hidden) * 1073741824.f * *inv_t, *inv_w, m));
-    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) *inv_o = 1.f / s_o;
-    return s_o;
+// by at most 2^-25 / s_O (README: from ~2^16 more, dWo's error grows). Three scalar loads, no
+// barrier: an earlier form that took max|bv| itself held each block's start by ~1 µs.
+__device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, const float* inv_w, const float* inv_bv) {
+    return pow2_scale(2.f * fmaf(static_cast<float>(hidden) * 1073741824.f * *inv_t, *inv_w, 32768.f * *inv_bv));
+}
+
+// Block (0, 0, 0) leaves 1 / s_O in inv_o, for the dWo GEMM's alpha.
+__device__ __forceinline__ void publish_o_scale(int hidden, const float* inv_t, const float* inv_w,
+                                                const float* inv_bv, float* inv_o) {
+    if (ATTN_O_HALF && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+        *inv_o = 1.f / o_half_scale(hidden, inv_t, inv_w, inv_bv);
 }
 
 }  // namespace
@@ -257,7 +254,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
          const float* __restrict__ dout, o_t* __restrict__ o, float* __restrict__ dq,
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
-         float* __restrict__ inv_o) {
+         const float* __restrict__ inv_bv, float* __restrict__ inv_o) {
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
     operand_t* q_s = reinterpret_cast<operand_t*>(smem4);  // [ATTN_BLOCK_Q][LD_HD]
@@ -268,7 +265,6 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     float* stage_k = reinterpret_cast<float*>(p_s + ATTN_BLOCK_Q * LD_KV);  // fp16 build: [ATTN_BLOCK_KV][head_dim]
     float* stage_v = stage_k + ATTN_BLOCK_KV * ATTN_HEAD_DIM;              // fp16 build: [ATTN_BLOCK_KV][head_dim]
     __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V, dS
-    __shared__ float s_o;  // ATTN_O_HALF: O's scale (o_half_scale), read where O is stored
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
@@ -277,10 +273,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     const float* bk = biases[1] + col;
     const float* bv = biases[2] + col;
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
-    if (ATTN_O_HALF) {
-        const float s = o_half_scale(biases[2], hidden, inv_t, inv_w, inv_o, red[4]);
-        if (threadIdx.x == 0) s_o = s;  // read after the tile loop's first barrier
-    }
+    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
@@ -383,7 +376,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             }
         }
         unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
-        store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, ATTN_O_HALF ? s_o : 1.f);
+        store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t,
+                ATTN_O_HALF ? o_half_scale(hidden, inv_t, inv_w, inv_bv) : 1.f);
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];  // at the scale ds_run.s·k_run.s of the latest tile's operands
@@ -466,7 +460,8 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   const float* const* __restrict__ biases, const float* __restrict__ dout, o_t* __restrict__ o,
                   float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
                   int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
-                  const float* __restrict__ inv_t, const float* __restrict__ inv_w, float* __restrict__ inv_o) {
+                  const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
+                  float* __restrict__ inv_o) {
     constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
@@ -478,7 +473,6 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
     operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P, then dS
     __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of K, V, Q, dO, dS
-    __shared__ float s_o;  // ATTN_O_HALF: see attn_bwd
     __shared__ float2 part_row[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];  // each key part's row max and sum
     __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 
@@ -494,10 +488,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     const int key0 = part * NT_K * 8, col0 = part * NT_HD * 8;  // this warp's first key, first column of O and dQ
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
-    if (ATTN_O_HALF) {
-        const float s = o_half_scale(biases[2], hidden, inv_t, inv_w, inv_o, red[4]);
-        if (threadIdx.x == 0) s_o = s;  // read after load_tiles' barrier
-    }
+    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_o);
     RunScale k_scale, v_scale;
     load_tiles<NK>(k_s, hs.k, biases[1] + col, red[0], k_scale, v_s, hs.v, biases[2] + col, red[1], v_scale, ld_kv, 0,
                    n_keys);
@@ -579,7 +570,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             rows_times_add<NK, NT_HD>(o_acc, p_s, LD_P, v_s + col0, r0, g, t);
             unscale<NT_HD>(o_acc, P_SCALE, s_v);
             store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, q_row0 + r0, n_video,
-                           o_acc, g, t, ATTN_O_HALF ? s_o : 1.f);
+                           o_acc, g, t, ATTN_O_HALF ? o_half_scale(hidden, inv_t, inv_w, inv_bv) : 1.f);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];

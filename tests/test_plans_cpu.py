@@ -720,8 +720,9 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     program, entries, _, calls = _recorded_program(gpu, monkeypatch, 0, precision)
     dy, dq, dkv = program._column_sums  # dY's from before the attention, dQ's and [dK | dV]'s after it
     o_copied = [140 * d] if precision == "fp32" else []  # fp16: the attention writes O's fp16 copy
+    bias = [d] if precision == "fp16" else []  # fp16: bv's copy, whose scale bounds max|bv| for O's
     assert [a.shape for a in (dy, dq, dkv)] == [
-        (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d], [d], 132)[0], d),
+        (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d] + bias, [d], 132)[0], d),
         *zip(column_sum_rows(o_copied + [140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
     sums = sorted((_table_entries(program, args[6], args[16]), args[4], args[8])
                   for args in calls if args[3] == 1)  # cuBLAS's n = 1: the ones row
@@ -735,7 +736,8 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
     n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
-    assert stage_a[4 * 7:5 * 7] == [0] * 6 + [dy.data.ptr]
+    n_a = 7 + len(bias)
+    assert stage_a[4 * n_a:5 * n_a] == [0] * 6 + [dy.data.ptr] + [0] * len(bias)
     assert stage_b[4 * n:5 * n] == [0] * len(o_copied) + [dq.data.ptr, dkv.data.ptr]
     # [dK | dV] is the sum of the attention's two query chunks' partials (no reduction kernel).
     partials = program._attention.partials
@@ -743,18 +745,19 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]  # (sources, meta, n, ...)
     assert _table_entries(program, int(copies[1][0]), n)[-1] == partials.data.ptr
     # fp16: the attention writes O · s_O as fp16 where the copy of O goes, dWo reads it, and the
-    # inverse scales of T, [Wk; Wv] and O are the scaler's (O's written by the attention).
-    (o_arg, *scale_args), = [e[3][4:5] + e[3][-3:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    # inverse scales of T, [Wk; Wv], bv and O are the scaler's (O's written by the attention).
+    (o_arg, *scale_args), = [e[3][4:5] + e[3][-4:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
     halves = stage_b[n:2 * n]  # the copies' destinations
     if precision == "fp16":
-        from cupy_xattn.backward import _O, _T, _WKV
+        from cupy_xattn.backward import _BV, _O, _T, _WKV
         o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
         assert int(o_arg) == o_copy
-        assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _O)]
+        assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _BV, _O)]
+        assert _table_entries(program, int(copies[0][0]), n_a)[-1] == "value_bias"
         dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
         assert [_table_entries(program, args[6], 1) for args in dwo] == [[o_copy]]  # dWo = dY^T O
     else:
-        assert scale_args == [0, 0, 0] and o_arg is program._o
+        assert scale_args == [0, 0, 0, 0] and o_arg is program._o
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
