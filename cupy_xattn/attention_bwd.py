@@ -208,8 +208,8 @@ class AttentionBackward:
             scales, half_scaling.cu), and of inv_o, where 1 / s_O is written.
         """
         p = self.problem
-        if (o_scales is None) == self.o_half:
-            raise ValueError("o_scales goes with o_half, and only with it")
+        if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != 4):
+            raise ValueError("o_scales (inv_t, inv_w, inv_bv, inv_o) goes with o_half, and only with it")
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),

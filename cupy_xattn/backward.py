@@ -498,7 +498,7 @@ def _column_sum_shapes(shapes, sm_count):
 
 def _half_elements(mv, mt, d):
     """Sizes (fp16 elements, each rounded up to 256 bytes) of the fp16 copies, in their order in
-    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV], bv (fp16 mode only)."""
+    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV], bv (written in the fp16 mode only)."""
     sizes = [mv * d, mt * d, d * d, 2 * d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d, d]
     return [-(-size // 128) * 128 for size in sizes]
 

@@ -83,6 +83,8 @@ class HalfScaler:
         n = len(tensors)
         if n > _THREADS:
             raise ValueError(f"a group holds at most {_THREADS} tensors (half_rescale), got {n}")
+        if any(not 0 <= t[2] < self.n_slots for t in tensors):
+            raise ValueError(f"slots run from 0 to {self.n_slots - 1}")
         size, dest, slot, lo, sums, cols, parts, stride = zip(*tensors)
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums) + list(parts)
                           + [s // 4 for s in stride], numpy.int64)

@@ -221,6 +221,7 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     }
     __syncthreads();
     if (!last) return;
+    __threadfence();  // the other blocks' reads (before their counts) are ordered before these writes
     for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) alpha[k] = inv[k / n_slots] * inv[k % n_slots];
     for (int k = threadIdx.x; k < n_slots; k += HALF_THREADS) {
         inv_scale[k] = inv[k];

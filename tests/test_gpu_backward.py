@@ -275,3 +275,18 @@ def test_inputs_off_a_16_byte_boundary_are_read_correctly():
     assert shifted["query_bias"].data.ptr % 16
     errors = _relative_errors(cross_attention_backward(**shifted, precision="fp16"), ref)
     assert max(errors.values()) <= EDGE_TOLERANCE["fp16"], errors
+
+
+def test_fp16_mode_o_bound_follows_a_value_bias_that_dominates_and_grows():
+    # bv enters O's bound through its own fp16 scale (the first conversion group): a bias 2^6
+    # times V0's entries dominates V, and the next call's, 2^12 times, moves that scale (a rescale
+    # of bv before the attention reads it). O must neither overflow nor lose its precision.
+    case = cases.Case(2, 130, 77, atol=0.0)
+    inputs, _ = _case_data(case, 6)
+    for factor in (2.0 ** 6, 2.0 ** 12):
+        call = dict(inputs, value_bias=inputs["value_bias"] * numpy.float32(factor))
+        ref = reference.backward(**call, num_heads=16)
+        errors = _relative_errors(cross_attention_backward(**_on_gpu(call), precision="fp16"), ref)
+        bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE["fp16"]}
+        assert not bad, (factor, bad)
+        assert errors["grad_output_weight"] <= 1e-3, (factor, errors)
