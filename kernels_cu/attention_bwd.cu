@@ -239,6 +239,9 @@ __device__ __forceinline__ void publish_o_scale(int hidden, const float* inv_t, 
 
 }  // namespace
 
+// One program per build: the streamed kernel, or with ATTN_KEYS > 0 the resident one (compiling
+// both took NVRTC twice as long, and the streamed kernel at the resident build's block size spilled).
+#if !ATTN_KEYS
 // Three blocks per SM (the shared-memory limit) need ≤ 168 registers; the split mode's extra
 // accumulators do not fit that, and it runs two. With head_dim 128 two blocks fit the shared
 // memory (2 × 112 KiB) and the registers (2 × 128 threads × 255); so do 64-key tiles (the
@@ -424,7 +427,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     }
 }
 
-#if ATTN_KEYS
+#else
 // The resident kernel: all ATTN_KEYS (≥ n_text, a multiple of 16) keys and values of the head
 // stay in shared memory for the whole chunk, so each query tile takes one pass: the exact
 // softmax of a whole row is in registers (no second pass, no log-sum-exp), and the block's dK

@@ -40,8 +40,8 @@ def test_attention_kernel_variants_compile(defines, arch):
     # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
     cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)
     assert cubin[:4] == b"\x7fELF"
-    if "ATTN_KEYS" in defines:
-        assert b"attn_bwd_resident" in cubin
+    resident = "ATTN_KEYS" in defines  # one program per build: the resident kernel or the streamed one
+    assert (b"attn_bwd_resident" in cubin) == resident and (b"\x00attn_bwd\x00" in cubin) != resident
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
