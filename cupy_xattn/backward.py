@@ -68,18 +68,30 @@ def _weight_grads_tn(precision, mv, mt):
     return video, video and mt >= _TN_MIN_TEXT_ROWS or precision == "tf32" and mt >= _TN_MIN_ROWS
 
 
+def _attention_writes_o_half(precision):
+    """Whether the attention writes O's fp16 copy itself (the fp16 mode: at a scale from a bound on
+    |V|, whose bias term needs bv's scale), so that O is neither kept in fp32 nor converted."""
+    return precision == "fp16"
+
+
+def _partials_converted(precision):
+    """Whether the second conversion sums the attention's dK/dV partials of its query chunks as it
+    reads them (the half modes), so that no reduction kernel runs and no fp32 [dK | dV] is kept."""
+    return precision != "tf32"
+
+
 def _o_shape(precision, video_tn, mv, d):
     """O's float32 buffer: O^T with rows padded to o_t_stride where [dWo | dWq] read transposes,
-    none in the fp16 mode (the attention writes O's fp16 copy itself), else O."""
-    if precision == "fp16":
+    none where the attention writes O's fp16 copy itself, else O."""
+    if _attention_writes_o_half(precision):
         return (0,)
     return (d, o_t_stride(mv)) if video_tn else (mv, d)
 
 
 def _dkv_shape(precision, n_chunks, mt, d):
-    """[dK | dV]'s float32 buffer: none where the half modes' conversion sums the attention's
-    partials of several query chunks (AttentionBackward(reduce_dkv=False))."""
-    return (0,) if precision != "tf32" and n_chunks > 1 else (mt, 2 * d)
+    """[dK | dV]'s float32 buffer: none where the conversion sums the attention's partials of
+    several query chunks (AttentionBackward(reduce_dkv=False))."""
+    return (0,) if _partials_converted(precision) and n_chunks > 1 else (mt, 2 * d)
 
 
 def _tf32_shapes(mv, mt, d):
@@ -168,9 +180,9 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        # The half modes' conversion sums the attention's dK/dV partials as it reads them.
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
-                                            o_half=precision == "fp16", reduce_dkv=precision == "tf32")
+                                            o_half=_attention_writes_o_half(precision),
+                                            reduce_dkv=not _partials_converted(precision))
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
@@ -271,16 +283,17 @@ class Backward:
         X, T, WQ, WK, WO, DY, O, DQ, DK, BV = (self._halves.data.ptr + 2 * start
                                                for start in numpy.cumsum([0] + sizes[:-1]).tolist())
         WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
+        o_half = _attention_writes_o_half(self.precision)
         # (source entry, fp16 destination, scale slot), in the order of _conversion_shapes
         stage_a = [("video_latents", X, _X), ("text_embeddings", T, _T), ("query_weight", WQ, _WQ),
                    ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
-                   ("grad_output", DY, _DY)] + [("value_bias", BV, _BV)] * (self.precision == "fp16")
+                   ("grad_output", DY, _DY)] + [("value_bias", BV, _BV)] * o_half
         # fp16: the attention writes O's copy itself (o_half), so the second group starts at dQ.
         # [dK | dV]: the sum of the attention's partials, one per query chunk, where it has several.
         partials = self._attention.partials
         dkv = (addr(self._dkv), DK, _DKV) if partials is None else (addr(partials), DK, _DKV, partials.shape[0],
                                                                     partials.size // partials.shape[0])
-        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), dkv][self.precision == "fp16":]
+        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), dkv][o_half:]
         shapes_a, shapes_b = _conversion_shapes(self.precision, mv, mt, d)
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
@@ -294,7 +307,7 @@ class Backward:
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
              **half)
         self._join()
-        if self.precision == "fp16":
+        if o_half:
             inv = self._scaler.inverse_scale
             self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_O)))
         self._record_attention()
@@ -483,9 +496,9 @@ def _conversion_shapes(precision, mv, mt, d):
     the attention (X, T, Wq, Wk, Wv, Wo, dY, and in the fp16 mode bv, whose scale bounds max|bv| for
     the attention's O) and after it (O but in the fp16 mode, dQ, [dK | dV]): the bias gradients
     are the column sums of dY, dQ and [dK | dV]."""
-    fp16 = precision == "fp16"
-    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)] + [(d, 0)] * fp16,
-            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)][fp16:])
+    o_half = _attention_writes_o_half(precision)
+    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)] + [(d, 0)] * o_half,
+            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)][o_half:])
 
 
 def _column_sum_shapes(shapes, sm_count):
