@@ -59,7 +59,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
     for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT).
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
-    the P/dS tile; with fp16 operands, the streamed kernel's next K and V tiles staged as fp32.
+    the P and dS tiles (one tile with fp32 operands: dS overwrites P); with fp16 operands, the
+    streamed kernel's next K and V tiles staged as fp32.
     Aim for as many blocks per SM when splitting the query rows of a (batch, head) pair: each
     extra chunk costs a dK/dV partial to reduce. head_dim 128 always streams (the resident
     kernel's dK/dV accumulators would double), two blocks per SM.
@@ -67,10 +68,12 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
     row = head_dim + 8
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
-        smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + rows * (_padded(keys, 32) + 8))
+        p_ds = rows * (_padded(keys, 32) + 8) * (2 if operand_bytes(precision) == 2 else 1)
+        smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
-    smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + BLOCK_Q * (kv + 8))
+    p_ds = BLOCK_Q * (kv + 8) * (2 if operand_bytes(precision) == 2 else 1)
+    smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + p_ds)
     if operand_bytes(precision) == 2:
         smem += 4 * 2 * kv * head_dim  # the next key/value tile, staged as fp32
     blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source

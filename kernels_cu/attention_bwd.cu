@@ -155,20 +155,33 @@ __device__ __forceinline__ void block_transposed_product(float* dst, long long l
                 *p = make_float2(old[j][half].x + c[j][2 * half], old[j][half].y + c[j][2 * half + 1]);
 }
 
-// dS = P ∘ (dP − D) · scale for a warp's 16 rows (D of rows g and g + 8 in d_row), in place of dP;
-// with fp16 operands each warp leaves its largest |dS| in red (publish_max) for dS's scale.
+// dS = P ∘ (dP − D) · scale for a warp's 16 rows (D of rows g and g + 8 in d_row), in place of dP.
+// Its operand scale comes from a bound (ds_bound_scale), not from its maximum.
 template <int NT>
-__device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4], const float d_row[2], float scale,
-                                            float* red) {
-    float amax = 0.f;
+__device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4], const float d_row[2],
+                                            float scale) {
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
-            amax = fmaxf(amax, finite_abs(dp[n][i]));
-        }
-    publish_max(red, amax);
+        for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
+}
+
+// Store this warp's rows of dS (at scale s_ds) in ds_s and run dv_product (dV += P^T dO, which reads
+// every row of P) on the right side of the barriers. fp16 builds: dS has a buffer of its own, so one
+// barrier publishes P and dS together and the products dV, dK, dQ follow back to back. fp32 builds:
+// dS takes P's place (the resident kernel's fp32 tiles leave no room for it at two blocks an SM), so
+// dV runs first, between two barriers.
+template <int NT, int LD, typename DvProduct>
+__device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4], float s_ds, int r0, int g,
+                                                 int t, DvProduct dv_product) {
+    if (!ATTN_HALF) {
+        __syncthreads();  // all rows of P are in shared memory
+        dv_product();
+        __syncthreads();  // every warp is done reading P
+    }
+    store_acc<NT>(ds_s, LD, r0, ds, s_ds, g, t);
+    __syncthreads();  // all rows of dS (and of P) are in shared memory
+    if (ATTN_HALF) dv_product();
 }
 
 // The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
@@ -264,10 +277,11 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
     operand_t* k_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
     operand_t* v_s = k_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
-    operand_t* p_s = v_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_Q][LD_KV]: P, then dS
-    float* stage_k = reinterpret_cast<float*>(p_s + ATTN_BLOCK_Q * LD_KV);  // fp16 build: [ATTN_BLOCK_KV][head_dim]
+    operand_t* p_s = v_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_Q][LD_KV]: P
+    operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_KV : p_s;  // [ATTN_BLOCK_Q][LD_KV]: dS (see store_ds)
+    float* stage_k = reinterpret_cast<float*>(ds_s + ATTN_BLOCK_Q * LD_KV);  // fp16 build: [ATTN_BLOCK_KV][head_dim]
     float* stage_v = stage_k + ATTN_BLOCK_KV * ATTN_HEAD_DIM;              // fp16 build: [ATTN_BLOCK_KV][head_dim]
-    __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V, dS
+    __shared__ float red[4][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
@@ -404,22 +418,18 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             unscale<NT_KV>(dp, s_do, v_scale.s);
             store_acc<NT_KV>(p_s, LD_KV, r0, p, P_SCALE, g, t);
 
-            score_grads<NT_KV>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers
-            __syncthreads();
-
-            // dV = P^T dO for this key tile, over the block's query rows.
-            block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, P_SCALE, s_do,
-                                     warp, g, t);
-            ds_run.update(read_scale(red[4]));
+            score_grads<NT_KV>(dp, p, d_row, scale);  // dS, in the dp registers
+            ds_run.update(ds_bound_scale(s_do, v_scale.s, scale));
             const float dq_ratio = ds_run.ratio * k_run.ratio;
             if (dq_ratio != 1.f) scale_all<NT_HD>(dq_acc, dq_ratio);  // block-uniform
-            __syncthreads();
-            store_acc<NT_KV>(p_s, LD_KV, r0, dp, ds_run.s, g, t);
-            __syncthreads();
-            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, p_s, q_s, ds_run.s, s_q, warp,
-                                     g, t);
 
-            rows_times_add<ATTN_BLOCK_KV>(dq_acc, p_s, LD_KV, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
+            // dV = P^T dO and dK = dS^T Q for this key tile, over the block's query rows.
+            store_ds<NT_KV, LD_KV>(ds_s, dp, ds_run.s, r0, g, t, [&] {
+                block_transposed_product(hs.dv, ld_kv, kv0, n_text, accumulate, p_s, do_s, P_SCALE, s_do, warp, g, t);
+            });
+            block_transposed_product(hs.dk, ld_kv, kv0, n_text, accumulate, ds_s, q_s, ds_run.s, s_q, warp, g, t);
+
+            rows_times_add<ATTN_BLOCK_KV>(dq_acc, ds_s, LD_KV, k_s, r0, g, t);  // dQ += dS K (this warp's rows)
         }
         unscale<NT_HD>(dq_acc, ds_run.s, k_run.s);
 
@@ -432,7 +442,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // stay in shared memory for the whole chunk, so each query tile takes one pass: the exact
 // softmax of a whole row is in registers (no second pass, no log-sum-exp), and the block's dK
 // and dV accumulate in registers over its query tiles, stored once at the end.
-// Shared memory: 2 (K, V) + 2 (Q, dO) row tiles and P/dS; for ≤ 80 keys two blocks per SM with
+// Shared memory: 2 (K, V) + 2 (Q, dO) row tiles, P and dS (one tile in the fp32 build, store_ds);
+// for ≤ 80 keys two blocks per SM with
 // 64-row tiles, one with 128-row tiles (ATTN_RESIDENT_MIN_BLOCKS, set by the launcher).
 // The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts).
 // With ATTN_KEY_SPLIT = 2 each 16 query rows are owned by a pair of warps: warp w takes rows
@@ -474,8 +485,9 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
     operand_t* q_s = v_s + NK * LD_HD;                      // [ATTN_BLOCK_Q][LD_HD]
     operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
-    operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P, then dS
-    __shared__ float red[5][ATTN_THREADS / 32];  // block maxima for the operand scales of K, V, Q, dO, dS
+    operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P
+    operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_P : p_s;  // [ATTN_BLOCK_Q][LD_P]: dS (see store_ds)
+    __shared__ float red[4][ATTN_THREADS / 32];  // block maxima for the operand scales of K, V, Q, dO
     __shared__ float2 part_row[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];  // each key part's row max and sum
     __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 
@@ -503,10 +515,10 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
     RunScale q_run, do_run, ds_run;
-    // acc += A^T B for this warp's tiles (A = P or dS in p_s, B = dO or Q).
-    auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* b_s) {
+    // acc += A^T B for this warp's tiles (A = P in p_s or dS in ds_s, B = dO or Q).
+    auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* a_s, const operand_t* b_s) {
         accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
-            transposed_products<NK>(hi, lo, p_s, LD_P, b_s, warp, g, t);
+            transposed_products<NK>(hi, lo, a_s, LD_P, b_s, warp, g, t);
         });
     };
 
@@ -596,20 +608,17 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                 for (int k = 0; k < ATTN_KEY_SPLIT; ++k) d_row[h] += part_d[k][r0 + g + 8 * h];
             }
         }
-        score_grads<NT_K>(dp, p, d_row, scale, red[4]);  // dS, in the dp registers (P is not needed there after)
-        __syncthreads();  // all rows of P are in p_s (and dS's block maximum in red[4])
-        add_transposed(dv_acc, do_s);  // dV += P^T dO
-        ds_run.update(read_scale(red[4]));
+        score_grads<NT_K>(dp, p, d_row, scale);  // dS, in the dp registers (P is not needed there after)
+        ds_run.update(ds_bound_scale(s_do, s_v, scale));
         const float dk_ratio = ds_run.ratio * q_run.ratio;
         if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
-        __syncthreads();  // every warp is done reading P
-        store_acc<NT_K>(p_s + key0, LD_P, r0, dp, ds_run.s, g, t);
-        __syncthreads();
-        add_transposed(dk_acc, q_s);  // dK += dS^T Q
+        store_ds<NT_K, LD_P>(ds_s + key0, dp, ds_run.s, r0, g, t,
+                                     [&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO
+        add_transposed(dk_acc, ds_s, q_s);  // dK += dS^T Q
         {
             float dq_acc[NT_HD][4];
             zero<NT_HD>(dq_acc);
-            rows_times_add<NK, NT_HD>(dq_acc, p_s, LD_P, k_s + col0, r0, g, t);  // dQ = dS K
+            rows_times_add<NK, NT_HD>(dq_acc, ds_s, LD_P, k_s + col0, r0, g, t);  // dQ = dS K
             unscale<NT_HD>(dq_acc, ds_run.s, s_k);
             store_rows<NT_HD>(hs.dq + col0, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }

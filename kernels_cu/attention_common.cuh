@@ -507,6 +507,30 @@ __device__ __forceinline__ void scale_all(float c[NT][4], float f) {
     for (int n = 0; n < NT; ++n) c[n][0] *= f, c[n][1] *= f, c[n][2] *= f, c[n][3] *= f;
 }
 
+// The scale of a tile of dS = P ∘ (dP − D) · scale, from a bound known before dS, so that no
+// block maximum (and no barrier) has to wait for it: P ≤ 1, |dP| and |D| ≤ head_dim · max|dO| ·
+// max|V| (up to rounding), and the operand scales give max|dO| < 2^14 / s_do and max|V| < 2^14 / s_v,
+// so |dS| < 2^(29 + log2 head_dim) · scale / (s_do · s_v); s_ds puts that at 2^14 (2^k, k clamped to
+// fp32's normal exponents). The bound is loose (by ~2^8 on random inputs: dP averages over head_dim
+// terms, P over the keys), so the tile's largest |dS| lands near 2^6 instead of 2^13; fp16 keeps 11
+// significant bits down to 2^-14, i.e. for elements within ~2^-20 of the largest (2^-27 with the
+// block maximum), and below that each is off by at most 2^-25 / s_ds, ~2^-31 of the largest.
+__host__ __device__ constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }
+constexpr int kLog2HeadDim = log2_of(ATTN_HEAD_DIM);
+static_assert(1 << kLog2HeadDim == ATTN_HEAD_DIM, "head_dim is a power of two");
+__device__ __forceinline__ float ds_bound_scale(float s_do, float s_v, float scale) {
+#if ATTN_HALF
+    int e_scale;
+    frexpf(scale, &e_scale);  // |scale| < 2^e_scale
+    const int e_do = static_cast<int>(__float_as_uint(s_do) >> 23) - 127;
+    const int e_v = static_cast<int>(__float_as_uint(s_v) >> 23) - 127;
+    const int k = min(max(e_do + e_v - e_scale - 15 - kLog2HeadDim, -126), 126);
+    return __uint_as_float(static_cast<unsigned>(k + 127) << 23);
+#else
+    return 1.f;
+#endif
+}
+
 // scale_log2 / (s_q·s_k), the factor of score_tile: by the smaller scale first, so that a normal
 // result does not pass below the normal range midway (tiny Q with huge K; see unscale).
 __device__ __forceinline__ float score_factor(float scale_log2, float s_q, float s_k) {

@@ -840,10 +840,11 @@ def test_streamed_key_tiles_are_wide_where_they_add_no_padding(nt, precision, he
     name, keys, rows, smem, blocks = attention_bwd.kernel_choice(nt, precision, head_dim)
     assert (name, keys, rows) == ("attn_bwd", 0, 64)
     # Q, dO, K, V tiles of head_dim + 8 operands a row, P of block_kv + 8 (attn_bwd's carve-up): fp32
-    # operands in the fp32 mode; fp16 in the others, plus the next K and V tiles staged as fp32.
+    # operands in the fp32 mode; fp16 in the others, plus a dS tile beside P and the next K and V
+    # tiles staged as fp32.
     operands = {(64, 64): 23040, (64, 32): 16384, (128, 32): 2 * 64 * 136 + 2 * 32 * 136 + 64 * 40}[head_dim, block_kv]
-    staged = 2 * block_kv * head_dim
-    assert smem == (4 * operands if precision == "fp32" else 2 * operands + 4 * staged)
+    staged, ds = 2 * block_kv * head_dim, 64 * (block_kv + 8)
+    assert smem == (4 * operands if precision == "fp32" else 2 * (operands + ds) + 4 * staged)
     assert blocks == (3 if (precision, head_dim, block_kv) == ("tf32", 64, 32) else 2)
 
 
