@@ -337,7 +337,9 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
-        __syncthreads();  // the previous tile's readers of q_s / do_s are done
+        // The previous tile's readers of q_s and do_s are done: in the fp16 build at load_tiles' barrier,
+        // which its stores follow.
+        if (!ATTN_HALF) __syncthreads();
         RunScale q_scale, do_scale;
         load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, bq, red[0], q_scale, do_s, hs.dout, nullptr, red[1], do_scale, hidden,
                                  q_row0, n_video);
@@ -527,12 +529,16 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     const int tile_end = min(tile_begin + tiles_per_chunk, n_q_tiles);
     for (int qt = tile_begin; qt < tile_end; ++qt) {
         const int q_row0 = qt * ATTN_BLOCK_Q;
-        __syncthreads();  // the previous tile's readers of q_s, do_s and p_s are done
+        // The previous tile's readers of q_s, do_s, p_s and ds_s are done (and, at the first tile, K and V
+        // are stored): in the fp16 build at load_tiles' barrier, which its stores follow.
+        if (!ATTN_HALF) __syncthreads();
         load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, biases[0] + col, red[2], q_run, do_s, hs.dout, nullptr, red[3], do_run,
                                  hidden, q_row0, n_video);
         if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform
         const float s_q = q_run.s, s_do = do_run.s;
-        __syncthreads();
+        // Each warp stored its own 16 rows of Q and dO (TileIn) and reads only them until store_ds's
+        // barrier; with the keys split, the two warps of 16 rows read what four warps stored.
+        if (ATTN_KEY_SPLIT > 1) __syncthreads(); else __syncwarp();
 
         // P = softmax(S) exactly, from the whole row: this warp's part of it, then the row's parts.
         float p[NT_K][4];

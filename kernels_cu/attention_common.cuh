@@ -301,29 +301,34 @@ __device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld,
 // or past n_valid as zeros so padded rows contribute nothing, and their largest finite |x|;
 // store() writes them times s as operands. Every load of a thread is issued before the first
 // store: one global-memory latency per tile (two tiles loaded before either is stored share one).
+// Warp w takes rows [w·ROWS/warps, (w + 1)·ROWS/warps): a query tile's 16 rows of each warp (without
+// a key split) are the warp's own, which it alone reads until the tile's products over all rows.
 template <int ROWS>
 struct TileIn {
-    static constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, R_STEP = ATTN_THREADS / VEC_PER_ROW;
-    static constexpr int PER_THREAD = (ROWS * VEC_PER_ROW + ATTN_THREADS - 1) / ATTN_THREADS;
-    static_assert(ATTN_THREADS % VEC_PER_ROW == 0, "a thread keeps its column across its rows");
+    static constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, WARP_ROWS = ROWS / (ATTN_THREADS / 32);
+    static constexpr int PER_THREAD = WARP_ROWS * VEC_PER_ROW / 32;
+    static_assert(32 % VEC_PER_ROW == 0 && WARP_ROWS * (ATTN_THREADS / 32) == ROWS &&
+                  PER_THREAD * 32 == WARP_ROWS * VEC_PER_ROW, "whole rows per warp, whole passes per row");
     float4 v[PER_THREAD];
     float amax;
 
-    __device__ __forceinline__ int col() const { return (threadIdx.x % VEC_PER_ROW) * 4; }
-    __device__ __forceinline__ int row(int j) const { return threadIdx.x / VEC_PER_ROW + j * R_STEP; }
+    __device__ __forceinline__ static int col() { return (threadIdx.x % VEC_PER_ROW) * 4; }
+    __device__ __forceinline__ static int row(int j) {
+        return threadIdx.x / 32 * WARP_ROWS + threadIdx.x % 32 / VEC_PER_ROW + j * (32 / VEC_PER_ROW);
+    }
 
     __device__ __forceinline__ void load(const float* __restrict__ src, long long ld_src, int row0, int n_valid,
                                          const float* __restrict__ bias) {
 #pragma unroll
         for (int j = 0; j < PER_THREAD; ++j)
-            v[j] = (row(j) < ROWS && row0 + row(j) < n_valid)
+            v[j] = row0 + row(j) < n_valid
                        ? *reinterpret_cast<const float4*>(src + (long long)(row0 + row(j)) * ld_src + col())
                        : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 b = bias ? *reinterpret_cast<const float4*>(bias + col()) : make_float4(0.f, 0.f, 0.f, 0.f);
         amax = 0.f;
 #pragma unroll
         for (int j = 0; j < PER_THREAD; ++j) {
-            if (row(j) < ROWS && row0 + row(j) < n_valid) {
+            if (row0 + row(j) < n_valid) {
                 v[j] = make_float4(v[j].x + b.x, v[j].y + b.y, v[j].z + b.z, v[j].w + b.w);
                 amax = fmaxf(fmaxf(amax, fmaxf(finite_abs(v[j].x), finite_abs(v[j].y))),
                              fmaxf(finite_abs(v[j].z), finite_abs(v[j].w)));
@@ -333,10 +338,7 @@ struct TileIn {
 
     __device__ __forceinline__ void store(operand_t* dst, float s) const {
 #pragma unroll
-        for (int j = 0; j < PER_THREAD; ++j) {
-            if (row(j) >= ROWS) break;
-            store_quad(dst + row(j) * LD_HD + col(), v[j], s);
-        }
+        for (int j = 0; j < PER_THREAD; ++j) store_quad(dst + row(j) * LD_HD + col(), v[j], s);
     }
 };
 
@@ -349,8 +351,7 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
     using T = TileIn<ROWS>;
 #pragma unroll
     for (int j = 0; j < T::PER_THREAD; ++j) {
-        const int row = threadIdx.x / T::VEC_PER_ROW + j * T::R_STEP, col = (threadIdx.x % T::VEC_PER_ROW) * 4;
-        if (row >= ROWS) break;
+        const int row = T::row(j), col = T::col();
         const bool valid = row0 + row < n_valid;
         const float* from = valid ? src + (long long)(row0 + row) * ld_src + col : src;  // 0 bytes read if not valid
         const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage + row * ATTN_HEAD_DIM + col));
