@@ -346,16 +346,17 @@ class Backward:
         tensors themselves.
         """
         cupy = import_cupy()
-        video_tn, text_tn = _weight_grads_tn("tf32", mv, mt)
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
         shapes = _tf32_shapes(mv, mt, d)
-        self._wo_t = cupy.empty(shapes["wo_t"], numpy.float32)
-        self._wqkv_t = cupy.empty(shapes["wqkv_t"], numpy.float32)
+
+        def buffer(name, make=cupy.empty):  # None where the schedule needs none (shape None)
+            return None if shapes[name] is None else make(shapes[name], numpy.float32)
+
+        self._wo_t, self._wqkv_t = buffer("wo_t"), buffer("wqkv_t")
         # The transposes' padding columns stay zero (the "tn" products run over the padded K).
-        self._video_t = cupy.zeros(shapes["video_t"], numpy.float32) if video_tn else None
-        self._text_t = cupy.zeros(shapes["text_t"], numpy.float32) if text_tn else None
-        self._video_sums = cupy.empty(shapes["video_sums"], numpy.float32) if video_tn else None
-        self._text_sums = cupy.empty(shapes["text_sums"], numpy.float32) if text_tn else None
+        self._video_t, self._text_t = buffer("video_t", cupy.zeros), buffer("text_t", cupy.zeros)
+        self._video_sums, self._text_sums = buffer("video_sums"), buffer("text_sums")
+        video_tn, text_tn = self._video_t is not None, self._text_t is not None
         tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
         O, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
         table = self._table

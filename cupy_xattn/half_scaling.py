@@ -74,7 +74,9 @@ class HalfScaler:
             elements apart, added in order.
         """
         cupy = import_cupy()
-        tensors = [tuple(t) + (1, 0)[len(t) - 6:] for t in tensors]
+        if any(len(t) not in (6, 8) for t in tensors):
+            raise ValueError("a tensor is (size, dest, slot, lo, sums, cols) or that and (parts, part_stride)")
+        tensors = [tuple(t) if len(t) == 8 else tuple(t) + (1, 0) for t in tensors]  # one part by default
         if any(size % 4 or (sums and (cols <= 0 or cols % 4 or size % cols)) or parts < 1 or stride % 4
                or (parts > 1 and stride < size) for size, _, _, _, sums, cols, parts, stride in tensors):
             raise ValueError("half conversion needs sizes that are multiples of 4, for column sums row lengths "

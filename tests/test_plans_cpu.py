@@ -886,3 +886,14 @@ def test_a_scaler_holds_1_to_256_slots(n_slots):
     from cupy_xattn.half_scaling import HalfScaler
     with pytest.raises(ValueError, match="slots"):
         HalfScaler(n_slots, 132)
+
+
+@pytest.mark.parametrize("tensor, match", [((8, 0, 0, 0, 0), "a tensor is"), ((8, 0, 0, 0, 0, 0, 1), "a tensor is"),
+                                           ((6, 0, 0, 0, 0, 0), "multiples of 4"),
+                                           ((8, 0, 0, 0, 0, 0, 0, 0), "at least one part")])
+def test_a_scaler_group_rejects_malformed_tensors(tensor, match):
+    from cupy_xattn.half_scaling import HalfScaler
+    scaler = HalfScaler.__new__(HalfScaler)  # the checks come before any GPU work
+    scaler.n_slots = 1
+    with pytest.raises(ValueError, match=match):
+        scaler.group(0, [tensor])
