@@ -21,12 +21,17 @@ def test_shell_script_parses(path):
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
-def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
+def _script(name):
     import importlib.util
-    path = Path(__file__).resolve().parent.parent / "scripts" / "sass_mix.py"
-    spec = importlib.util.spec_from_file_location("sass_mix", path)
-    sass_mix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass_mix)
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
+    sass_mix = _script("sass_mix")
     sass = """//--------------------- .text.other       --------------------------
         /*0000*/                   FMUL R1, R2, R3 ;
 //--------------------- .text.k           --------------------------
@@ -48,3 +53,21 @@ def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
     assert dict(mix) == {"HMMA": 1, "FMUL": 2, "BRA": 2}  # .L_x_1's loop (0x10–0x50), not the inner or a forward one
     with pytest.raises(ValueError):
         sass_mix.loop_mix(sass, "missing")
+
+
+def test_wgmma_probe_strides_are_the_ones_the_h200_confirmed():
+    # (LBO, SBO, bytes per 16 of K) that gave A·B^T to fp32 rounding on the H200 (docs/perf-notes.md,
+    # Session 13): a K-major [64][64] A, and a [64][80] B read transposed (its rows run along K).
+    probe = _script("wgmma_probe")
+    assert probe.strides_for(64, 64, False, False) == (128, 1024, 256)
+    assert probe.strides_for(64, 80, True, False) == (1280, 128, 2560)
+    assert probe.strides_for(64, 80, True, True) == (128, 1280, 2560)  # the other reading (it faulted)
+
+
+@pytest.mark.parametrize("n", [64, 80])
+def test_wgmma_probe_compiles_for_sm_90a(n):
+    from cupy_xattn import kernels
+    if kernels._nvrtc() is None:
+        pytest.skip("no NVRTC")
+    cubin = _script("wgmma_probe").compile_cubin(_script("wgmma_probe").kernel_source(n))
+    assert cubin[:4] == b"\x7fELF" and b"bench" in cubin and b"probe_11" in cubin
