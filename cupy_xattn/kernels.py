@@ -146,7 +146,8 @@ def compile_cubin(filename, arch, defines=None):
         return _compile_with_nvcc(source, filename, arch)
     from cupy._core.core import assemble_cupy_compiler_options
 
-    options = (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17")
+    # -ftz=true as CuPy's RawModule adds it: a cubin from here computes what the cached module does
+    options = (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17", "-ftz=true")
     program = nvrtc.createProgram(source, filename, (), ())
     try:
         try:
@@ -177,8 +178,8 @@ def _compile_with_nvcc(source, filename, arch):
     with tempfile.TemporaryDirectory() as folder:
         source_path, cubin_path = os.path.join(folder, filename), os.path.join(folder, "out.cubin")
         Path(source_path).write_text(source)
-        done = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-o", cubin_path, source_path],
-                              capture_output=True, text=True)
+        command = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin_path, source_path]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise CompileError(f"{filename} ({arch}): nvcc failed\n{done.stderr}")
         return Path(cubin_path).read_bytes()

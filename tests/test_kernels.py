@@ -107,6 +107,20 @@ def test_probe_compiles_with_defines(probe_dir, arch):
     assert kernels.compile_cubin("probe.cu", arch, {"PROBE_OFFSET": "1.5f"})[:4] == b"\x7fELF"
 
 
+def test_cubins_flush_denormals_as_cupys_modules_do(probe_dir, monkeypatch):
+    # CuPy's RawModule compiles with -ftz=true, and the kernels' scaling is written for it
+    # (attention_common.cuh, unscale): a cubin from here (the cache-less fallback) must match.
+    nvrtc = kernels._nvrtc()
+    if nvrtc is None:
+        pytest.skip("no NVRTC")
+    seen = []
+    compile_program = nvrtc.compileProgram
+    monkeypatch.setattr(nvrtc, "compileProgram", lambda program, options: seen.append(options) or
+                        compile_program(program, options))
+    kernels.compile_cubin("probe.cu", "sm_90")
+    assert "-ftz=true" in seen[0]
+
+
 def test_compile_error_carries_the_log(probe_dir):
     with pytest.raises(kernels.CompileError, match=r"(?s)broken.cu \(sm_90\).*broken.cu\(2\).*undeclared_thing"):
         kernels.compile_cubin("broken.cu", "sm_90")
