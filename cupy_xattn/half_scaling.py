@@ -73,7 +73,6 @@ class HalfScaler:
             the tensor is the sum of ``parts`` (default 1) slices of the source ``part_stride``
             elements apart, added in order.
         """
-        cupy = import_cupy()
         if any(len(t) not in (6, 8) for t in tensors):
             raise ValueError("a tensor is (size, dest, slot, lo, sums, cols) or that and (parts, part_stride)")
         tensors = [tuple(t) if len(t) == 8 else tuple(t) + (1, 0) for t in tensors]  # one part by default
@@ -88,6 +87,7 @@ class HalfScaler:
         if any(not 0 <= t[2] < self.n_slots for t in tensors):
             raise ValueError(f"slots run from 0 to {self.n_slots - 1}")
         size, dest, slot, lo, sums, cols, parts, stride = zip(*tensors)
+        cupy = import_cupy()
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums) + list(parts)
                           + [s // 4 for s in stride], numpy.int64)
         self._groups.append(meta)

@@ -64,7 +64,7 @@ typedef float o_t;
 namespace {
 
 // The A^T B products (dV = P^T dO, dK = dS^T Q) over the block's ATTN_BLOCK_Q query rows, for
-// KEYS keys: A is the P or dS tile ([rows][ld_p] in p_s), B the dO or Q tile. Their 16 × 8 output
+// KEYS keys: A is the P or dS tile ([rows][ld_p], p_s or ds_s), B the dO or Q tile. Their 16 × 8 output
 // tiles are dealt to warps by columns: a warp owns head-dim columns [warp·NPW·8, +NPW·8) of every
 // key tile, so at each k step its B fragments serve all KT key tiles and each A fragment its NPW
 // column tiles (2.4 shared-memory fragment loads per mma instead of 6), and its KT·NPW
@@ -421,7 +421,9 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             store_acc<NT_KV>(p_s, LD_KV, r0, p, P_SCALE, g, t);
 
             score_grads<NT_KV>(dp, p, d_row, scale);  // dS, in the dp registers
-            ds_run.update(ds_bound_scale(s_do, v_scale.s, scale));
+            // D sums over every key tile of the row: the bound takes the largest |V| of them all, through
+            // the least own scale pass 1 saw (v_run.least), not this tile's.
+            ds_run.update(ds_bound_scale(s_do, v_run.least, scale));
             const float dq_ratio = ds_run.ratio * k_run.ratio;
             if (dq_ratio != 1.f) scale_all<NT_HD>(dq_acc, dq_ratio);  // block-uniform
 
@@ -451,8 +453,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // With ATTN_KEY_SPLIT = 2 each 16 query rows are owned by a pair of warps: warp w takes rows
 // (w % ROW_WARPS)·16 with keys [part·NK/2, +NK/2) for S, the softmax and dP (part = w / ROW_WARPS;
 // the pair exchanges row maxima, sums and D through shared memory under a barrier of its own),
-// and head-dim columns [part·head_dim/2, +head_dim/2) of O and dQ (from whole rows of P and dS in
-// p_s); the dK and dV tiles are dealt over all the warps. Twice the warps on a tile, each with
+// and head-dim columns [part·head_dim/2, +head_dim/2) of O and dQ (from whole rows of P in p_s and
+// of dS in ds_s); the dK and dV tiles are dealt over all the warps. Twice the warps on a tile, each with
 // half the chain of dependent instructions: on the small cases one tile is all an SM has.
 #define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
 static_assert(ATTN_KEYS % (16 * ATTN_KEY_SPLIT) == 0, "each warp's keys are whole 16-row mma tiles");
@@ -537,7 +539,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform
         const float s_q = q_run.s, s_do = do_run.s;
         // Each warp stored its own 16 rows of Q and dO (TileIn) and reads only them until store_ds's
-        // barrier; with the keys split, the two warps of 16 rows read what four warps stored.
+        // barrier; with the keys split, the two warps of 16 rows read what two other warps stored.
         if (ATTN_KEY_SPLIT > 1) __syncthreads(); else __syncwarp();
 
         // P = softmax(S) exactly, from the whole row: this warp's part of it, then the row's parts.

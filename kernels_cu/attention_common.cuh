@@ -168,7 +168,8 @@ __device__ __forceinline__ float to_operand(float x) {
 // A product summed over several tiles (dK, dV over query tiles; O, dQ over key tiles) is kept at
 // the scale of the latest tile, multiplied by new / old when that changes (RunScale). Inf and NaN
 // are left out of the maxima and stored as they are, so they still reach the results.
-// P (in [0, 1]) is stored at the fixed scale P_SCALE. In the fp32 builds every scale is 1.
+// P (in [0, 1]) is stored at the fixed scale P_SCALE, dS at a scale from a bound (ds_bound_scale).
+// In the fp32 builds every scale is 1.
 constexpr float kNoScale = 8.50705917e37f;  // 2^126, the largest scale pow2_scale() gives
 #if ATTN_HALF
 constexpr float P_SCALE = 16384.f;
@@ -510,10 +511,12 @@ __device__ __forceinline__ void scale_all(float c[NT][4], float f) {
 
 // The scale of a tile of dS = P ∘ (dP − D) · scale, from a bound known before dS, so that no
 // block maximum (and no barrier) has to wait for it: P ≤ 1, |dP| and |D| ≤ head_dim · max|dO| ·
-// max|V| (up to rounding), and the operand scales give max|dO| < 2^14 / s_do and max|V| < 2^14 / s_v,
+// max|V| (up to rounding; max|V| over every key of the row, as D sums over them all), and the
+// operand scales give max|dO| < 2^14 / s_do and max|V| < 2^14 / s_v (s_v: the least of the keys'),
 // so |dS| < 2^(29 + log2 head_dim) · scale / (s_do · s_v); s_ds puts that at 2^14 (2^k, k clamped to
-// fp32's normal exponents). The bound is loose (by ~2^8 on random inputs: dP averages over head_dim
-// terms, P over the keys), so the tile's largest |dS| lands near 2^6 instead of 2^13; fp16 keeps 11
+// fp32's normal exponents). The bound is loose (by ~2^8 on random inputs with 77 keys: dP averages
+// over head_dim terms, P over the keys, looser with more keys), so the tile's largest |dS| lands
+// near 2^6 instead of 2^13; fp16 keeps 11
 // significant bits down to 2^-14, i.e. for elements within ~2^-20 of the largest (2^-27 with the
 // block maximum), and below that each is off by at most 2^-25 / s_ds, ~2^-31 of the largest.
 __host__ __device__ constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }

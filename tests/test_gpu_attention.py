@@ -76,14 +76,16 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 # The resident kernel, the resident kernel with its keys split (128 blocks: one tile an SM), the streamed kernel.
 @pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 77), (2, 256, 211)])
 @pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge gradients", "huge and tiny operands", "tiny Q, huge K",
-                                        "tiles apart", "huge padding"])
+                                        "tiles apart", "huge padding", "a zero value tile", "a value tile 2^16 up"])
 def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_text, magnitudes):
     # The tf32/fp16 build stores operand tiles as fp16 scaled by powers of two chosen per tile
     # (attention_common.cuh): gradients of 1e-31 would vanish in plain fp16, Q of 1e5 overflow it;
     # the products are unscaled under CuPy's -ftz=true without flushing (1e-31, Q of 1e-34) or
     # overflowing (1e34) midway; tiles of dO and V 2^40 and 2^12 apart make the tiles' scales
     # differ, so the dK, dV, O and dQ accumulators change scale between tiles; keys past a
-    # sample's text length of 1e12 must not set the scale of the rest.
+    # sample's text length of 1e12 must not set the scale of the rest. dS's scale comes from a bound
+    # through max|V| over all keys (D sums over them): a key tile of V = 0, or one 2^16 above the
+    # rest, must not let another tile's dS overflow fp16 (the streamed kernel's per-tile V scale did).
     # The scores keep their usual size: a much sharper softmax would make dQ and dK
     # ill-conditioned in any precision (which key wins flips with the rounding of S).
     import cupy
@@ -109,6 +111,10 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
         q0 *= numpy.float32(2.0 ** 17)
         kv0[:, :hidden] *= numpy.float32(2.0 ** -17)
         kv0[:, hidden:] *= numpy.float32(2.0 ** 20)
+    elif magnitudes == "a zero value tile":
+        kv0.reshape(batch_size, n_text, 2 * hidden)[:, 32:64, hidden:] = 0  # the streamed kernel's second key tile
+    elif magnitudes == "a value tile 2^16 up":
+        kv0.reshape(batch_size, n_text, 2 * hidden)[:, :32, hidden:] *= numpy.float32(2.0 ** 16)
     elif magnitudes == "tiles apart":
         spread(dout, 64, (-30, 10))
         spread(q0, 64, (-2, 0))

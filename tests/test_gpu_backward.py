@@ -282,9 +282,10 @@ def test_fp16_mode_o_bound_follows_a_value_bias_that_dominates_and_grows():
     # times V0's entries dominates V, and the next call's, 2^12 times, moves that scale (a rescale
     # of bv before the attention reads it). O must neither overflow nor lose its precision: the
     # gradients through O and dV = Pᵀ·dO keep the edge tolerance, dWo 1e-3.
-    # The gradients through dS = P∘(dP − rowsum(dO∘O)) cannot: with V ≈ bv in every key, dP and the
-    # row sum agree up to V0's share, 1/factor of V, and V's fp16 rounding (|bv|·2^-12) is then
-    # factor·2^-12 of what dS is made of (measured 1.3e-2 at 2^6, as fp16 inputs must give).
+    # The gradients through dS = P∘(dP − D) cannot: with V ≈ bv in every key, dP_j and D agree up to
+    # V0's share, 1/factor of V, and the attention's fp16 operand V = V0 + bv (11 significant bits,
+    # |bv|·2^-12) is off by factor·2^-12 of what dS is made of (measured 1.3e-2 at 2^6; any attention
+    # on fp16 operands shares this). At 2^6 they are held to factor·2^-11, at 2^12 only to be finite.
     case = cases.Case(2, 130, 77, atol=0.0)
     inputs, _ = _case_data(case, 6)
     through_o_or_dv = ("grad_output_weight", "grad_output_bias", "grad_value_weight", "grad_value_bias")
@@ -292,7 +293,8 @@ def test_fp16_mode_o_bound_follows_a_value_bias_that_dominates_and_grows():
         call = dict(inputs, value_bias=inputs["value_bias"] * numpy.float32(factor))
         ref = reference.backward(**call, num_heads=16)
         errors = _relative_errors(cross_attention_backward(**_on_gpu(call), precision="fp16"), ref)
+        through_ds = factor * 2.0 ** -11 if factor < 2.0 ** 10 else 1e30  # finite: Inf and NaN fail
         bad = {k: v for k, v in errors.items()
-               if not v <= (EDGE_TOLERANCE["fp16"] if k in through_o_or_dv else factor * 2.0 ** -9)}
+               if not v <= (EDGE_TOLERANCE["fp16"] if k in through_o_or_dv else through_ds)}
         assert not bad, (factor, bad)
         assert errors["grad_output_weight"] <= 1e-3, (factor, errors)
