@@ -142,6 +142,18 @@ def compile_cubin(source):
         nvrtc.destroyProgram(program)
 
 
+def load_module(n):
+    """The probe's kernels for a 64×n tile, compiled for sm_90a and loaded."""
+    import cupy
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "probe.cubin")
+        with open(path, "wb") as f:
+            f.write(compile_cubin(kernel_source(n)))
+        module = cupy.RawModule(path=path)
+        module.module  # load before the file goes  # noqa: B018
+    return module
+
+
 def strides_for(rows, cols, transposed, swap):
     """(LBO, SBO, byte step per 16 of K) of a [rows][cols] tensor in core matrices: K along its
     columns (K-major) or, transposed, along its rows; swap tries the other reading of LBO/SBO."""
@@ -158,12 +170,7 @@ def main():
 
     rng = numpy.random.default_rng(0)
     for n, k_total in ((80, 64), (64, 80)):
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "probe.cubin")
-            with open(path, "wb") as f:
-                f.write(compile_cubin(kernel_source(n)))
-            module = cupy.RawModule(path=path)
-            module.module  # noqa: B018
+        module = load_module(n)
         a_math = rng.standard_normal((M, k_total)).astype(numpy.float16)
         b_math = rng.standard_normal((n, k_total)).astype(numpy.float16)
         expected = a_math.astype(numpy.float32) @ b_math.astype(numpy.float32).T
@@ -193,12 +200,7 @@ def bench():
 
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     for n, k_total in ((80, 64), (64, 80)):
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "probe.cubin")
-            with open(path, "wb") as f:
-                f.write(compile_cubin(kernel_source(n)))
-            module = cupy.RawModule(path=path)
-            module.module  # noqa: B018
+        module = load_module(n)
         kernel = module.get_function("bench")
         strides = cupy.asarray(numpy.array(strides_for(M, k_total, 0, False) + strides_for(n, k_total, 0, False),
                                            numpy.uint32))
