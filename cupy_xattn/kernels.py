@@ -139,8 +139,12 @@ def compile_cubin(filename, arch, defines=None):
     CompileError
         With the compiler's log.
     """
+    return compile_source(_with_defines(filename, defines), filename, arch)
+
+
+def compile_source(source, filename, arch):
+    """``compile_cubin`` for a source string (``filename`` names it in the compiler's messages)."""
     arch = str(arch) if str(arch).startswith("sm_") else f"sm_{arch}"
-    source = _with_defines(filename, defines)
     nvrtc = _nvrtc()
     if nvrtc is None:
         return _compile_with_nvcc(source, filename, arch)

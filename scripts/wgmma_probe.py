@@ -20,6 +20,8 @@ import tempfile
 
 import numpy
 
+from cupy_xattn import kernels
+
 M = 64
 
 
@@ -129,26 +131,13 @@ PROBE(1, 1)
     return source
 
 
-def compile_cubin(source):
-    from cupy.cuda import nvrtc
-    program = nvrtc.createProgram(source, "wgmma_probe.cu", (), ())
-    try:
-        try:
-            nvrtc.compileProgram(program, ("-arch=sm_90a", "-std=c++17"))
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{exc}\n{nvrtc.getProgramLog(program)}") from None
-        return nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
-
-
 def load_module(n):
     """The probe's kernels for a 64×n tile, compiled for sm_90a and loaded."""
     import cupy
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "probe.cubin")
         with open(path, "wb") as f:
-            f.write(compile_cubin(kernel_source(n)))
+            f.write(kernels.compile_source(kernel_source(n), "wgmma_probe.cu", "sm_90a"))
         module = cupy.RawModule(path=path)
         module.module  # load before the file goes  # noqa: B018
     return module
