@@ -172,8 +172,8 @@ __device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4
 // dS takes P's place (the resident kernel's fp32 tiles leave no room for it at two blocks an SM), so
 // dV runs first, between two barriers.
 template <int NT, int LD, typename DvProduct>
-__device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4], float s_ds, int r0, int g,
-                                                 int t, DvProduct dv_product) {
+__device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4], float s_ds, int r0, int g, int t,
+                                         DvProduct dv_product) {
     if (!ATTN_HALF) {
         __syncthreads();  // all rows of P are in shared memory
         dv_product();
@@ -238,9 +238,14 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
 // O averages over the keys; more where padded T rows or Wk, which share the bound, are larger
 // than what reaches O), which costs range: elements under 2^-14 / s_O are fp16 subnormals, off
 // by at most 2^-25 / s_O (README: from ~2^16 more, dWo's error grows). Three scalar loads, no
-// barrier: an earlier form that took max|bv| itself held each block's start by ~1 µs.
+// barrier: an earlier form that took max|bv| itself held each block's start by ~1 µs. 1 (and no
+// load: the pointers are null) in the builds that write fp32 O.
 __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, const float* inv_w, const float* inv_bv) {
+#if ATTN_O_HALF
     return pow2_scale(2.f * fmaf(static_cast<float>(hidden) * 1073741824.f * *inv_t, *inv_w, 32768.f * *inv_bv));
+#else
+    return 1.f;
+#endif
 }
 
 // Block (0, 0, 0) leaves 1 / s_O in inv_o, for the dWo GEMM's alpha.
@@ -396,7 +401,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         }
         unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
         store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t,
-                ATTN_O_HALF ? o_half_scale(hidden, inv_t, inv_w, inv_bv) : 1.f);
+                o_half_scale(hidden, inv_t, inv_w, inv_bv));
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];  // at the scale ds_run.s·k_run.s of the latest tile's operands
@@ -593,7 +598,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             rows_times_add<NK, NT_HD>(o_acc, p_s, LD_P, v_s + col0, r0, g, t);
             unscale<NT_HD>(o_acc, P_SCALE, s_v);
             store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, q_row0 + r0, n_video,
-                           o_acc, g, t, ATTN_O_HALF ? o_half_scale(hidden, inv_t, inv_w, inv_bv) : 1.f);
+                           o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float dp[NT_K][4], d_row[2];
@@ -621,7 +626,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         const float dk_ratio = ds_run.ratio * q_run.ratio;
         if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
         store_ds<NT_K, LD_P>(ds_s + key0, dp, ds_run.s, r0, g, t,
-                                     [&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO
+                             [&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO
         add_transposed(dk_acc, ds_s, q_s);  // dK += dS^T Q
         {
             float dq_acc[NT_HD][4];

@@ -516,9 +516,9 @@ __device__ __forceinline__ void scale_all(float c[NT][4], float f) {
 // so |dS| < 2^(29 + log2 head_dim) · scale / (s_do · s_v); s_ds puts that at 2^14 (2^k, k clamped to
 // fp32's normal exponents). The bound is loose (by ~2^8 on random inputs with 77 keys: dP averages
 // over head_dim terms, P over the keys, looser with more keys), so the tile's largest |dS| lands
-// near 2^6 instead of 2^13; fp16 keeps 11
-// significant bits down to 2^-14, i.e. for elements within ~2^-20 of the largest (2^-27 with the
-// block maximum), and below that each is off by at most 2^-25 / s_ds, ~2^-31 of the largest.
+// near 2^6 instead of 2^13; fp16 keeps 11 significant bits down to 2^-14, i.e. for elements within
+// ~2^-20 of the largest (2^-27 with the block maximum), and below that each is off by at most
+// 2^-25 / s_ds, ~2^-31 of the largest.
 __host__ __device__ constexpr int log2_of(int n) { return n > 1 ? 1 + log2_of(n / 2) : 0; }
 constexpr int kLog2HeadDim = log2_of(ATTN_HEAD_DIM);
 static_assert(1 << kLog2HeadDim == ATTN_HEAD_DIM, "head_dim is a power of two");
