@@ -94,14 +94,24 @@ def check_head_dim(problem):
 
 
 def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, block_q=BLOCK_Q):
-    """Split each (batch, head)'s query tiles (of block_q rows) into chunks so the grid fills the GPU.
+    """Split each (batch, head)'s query tiles (of block_q rows) into chunks, one block each.
+
+    A block's time is about its tiles plus a fixed part (K and V loaded, the dK/dV partial
+    written: ~half a tile); blocks run in waves of ``blocks_per_sm * sm_count``. The chunk length
+    with the least waves × block time wins, the longest among equals (fewest partials): e.g. 128
+    (batch, head) pairs of 8 tiles on 264 slots take one wave of 4-tile chunks (256 blocks), where
+    3-tile chunks take two (384 blocks).
 
     Returns ``(n_chunks, tiles_per_chunk)``; every chunk owns at least one tile.
     """
     n_q_tiles = -(-num_video_tokens // block_q)
-    want = -(-blocks_per_sm * sm_count // (batch_size * num_heads))
-    n_chunks = max(1, min(n_q_tiles, want))
-    tiles_per_chunk = -(-n_q_tiles // n_chunks)
+    pairs, slots = batch_size * num_heads, blocks_per_sm * sm_count
+
+    def cost(tiles):
+        waves = -(-pairs * -(-n_q_tiles // tiles) // slots)
+        return waves * (tiles + 0.5), -tiles
+
+    tiles_per_chunk = min(range(1, n_q_tiles + 1), key=cost)
     return -(-n_q_tiles // tiles_per_chunk), tiles_per_chunk
 
 

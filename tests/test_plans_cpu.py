@@ -866,6 +866,21 @@ def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidde
         assert (name, keys, rows, smem, blocks) == attention_bwd.kernel_choice(shape[2], precision, 64, split)
 
 
+@pytest.mark.parametrize("pairs, n_video, blocks_per_sm, expected", [
+    ((8, 16), 512, 2, (2, 4)),     # 8x512x77: 256 blocks of 4 tiles in one wave, not 384 of 3 in two
+    ((4, 16), 853, 2, (4, 4)),     # 4x853x77: 256 blocks of 4 tiles, not 320 of 3 (1.2 waves)
+    ((64, 16), 128, 2, (1, 2)),    # 1024 pairs: no split (3.9 waves of whole pairs)
+    ((1, 16), 4096, 2, (16, 4)),   # 256 blocks of 4 tiles: one wave
+    ((2, 16), 256, 1, (4, 1)),     # one tile a block, 128 blocks
+    ((1, 40), 1560, 2, (13, 2))])  # Wan2.2: 520 blocks of 2 tiles (2 waves), not 280 of 4 (2 waves)
+def test_query_chunks_minimise_waves_times_block_length(pairs, n_video, blocks_per_sm, expected):
+    from cupy_xattn.attention_bwd import chunking
+    n_chunks, tiles = chunking(*pairs, n_video, 132, blocks_per_sm)
+    assert (n_chunks, tiles) == expected
+    n_tiles = -(-n_video // 64)
+    assert (n_chunks - 1) * tiles < n_tiles <= n_chunks * tiles  # every chunk owns a tile
+
+
 def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
     from cupy_xattn import attention_bwd
     from cupy_xattn.checks import Problem
