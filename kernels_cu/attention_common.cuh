@@ -177,11 +177,14 @@ constexpr float P_SCALE = 16384.f;
 constexpr float P_SCALE = 1.f;
 #endif
 
-// 2^(140 − E), E the biased exponent of amax (≥ 0, finite) raised to at least 14: amax·s < 2^14.
-__device__ __forceinline__ float pow2_scale(float amax) {
-    const int e = max(static_cast<int>(__float_as_uint(amax) >> 23), 14);
-    return __uint_as_float(static_cast<unsigned>(267 - e) << 23);
-}
+// The exponent k of a power of two 2^k in fp32's normal range (or of a normal float's leading bit;
+// -127 for 0 and subnormals), and 2^k from k in [-126, 127]: the scales are powers of two, and
+// their arithmetic is done on exponents (no division, nothing flushed or rounded).
+__device__ __forceinline__ int exponent_of(float x) { return static_cast<int>(__float_as_uint(x) >> 23) - 127; }
+__device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<unsigned>(k + 127) << 23); }
+
+// 2^(13 − E), E the exponent of amax (≥ 0, finite) raised to at least -113: amax·s < 2^14, s ≤ 2^126.
+__device__ __forceinline__ float pow2_scale(float amax) { return pow2(13 - max(exponent_of(amax), -113)); }
 
 __device__ __forceinline__ float finite_abs(float x) {
     const float a = fabsf(x);
@@ -526,10 +529,8 @@ __device__ __forceinline__ float ds_bound_scale(float s_do, float s_v, float sca
 #if ATTN_HALF
     int e_scale;
     frexpf(scale, &e_scale);  // |scale| < 2^e_scale
-    const int e_do = static_cast<int>(__float_as_uint(s_do) >> 23) - 127;
-    const int e_v = static_cast<int>(__float_as_uint(s_v) >> 23) - 127;
-    const int k = min(max(e_do + e_v - e_scale - 15 - kLog2HeadDim, -126), 126);
-    return __uint_as_float(static_cast<unsigned>(k + 127) << 23);
+    const int k = exponent_of(s_do) + exponent_of(s_v) - e_scale - 15 - kLog2HeadDim;
+    return pow2(min(max(k, -126), 126));
 #else
     return 1.f;
 #endif
@@ -547,10 +548,10 @@ __device__ __forceinline__ float score_factor(float scale_log2, float s_q, float
 // 1/(s1·s2) flushed to 0 for gradients of 1e-31, and 1/s1 then 1/s2 overflowed midway for 1e34.
 template <int NT>
 __device__ __forceinline__ void unscale(float c[NT][4], float s1, float s2) {
-    const int e = static_cast<int>(__float_as_uint(s1) >> 23) + static_cast<int>(__float_as_uint(s2) >> 23) - 254;
+    const int e = exponent_of(s1) + exponent_of(s2);
     const int e1 = e / 2;  // |e| ≤ 252: both halves in [-126, 126]
-    scale_all<NT>(c, __uint_as_float(static_cast<unsigned>(127 - e1) << 23));
-    scale_all<NT>(c, __uint_as_float(static_cast<unsigned>(127 - (e - e1)) << 23));
+    scale_all<NT>(c, pow2(-e1));
+    scale_all<NT>(c, pow2(e1 - e));
 }
 
 __device__ __forceinline__ float quad_max(float x) {
