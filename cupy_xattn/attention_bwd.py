@@ -100,12 +100,16 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, b
     written: ~half a tile); blocks run in waves of ``blocks_per_sm * sm_count``. The chunk length
     with the least waves × block time wins, the longest among equals (fewest partials): e.g. 128
     (batch, head) pairs of 8 tiles on 264 slots take one wave of 4-tile chunks (256 blocks), where
-    3-tile chunks take two (384 blocks).
+    3-tile chunks take two (384 blocks). Where the pairs alone fill the slots, no split: each chunk
+    adds a dK/dV partial ([B·Nt, 2·D] fp32, written and read back), which at D = 5120, Nt = 512 is
+    hundreds of MiB, and such grids are not measured split.
 
     Returns ``(n_chunks, tiles_per_chunk)``; every chunk owns at least one tile.
     """
     n_q_tiles = -(-num_video_tokens // block_q)
     pairs, slots = batch_size * num_heads, blocks_per_sm * sm_count
+    if pairs >= slots:
+        return 1, n_q_tiles
 
     def cost(tiles):
         waves = -(-pairs * -(-n_q_tiles // tiles) // slots)

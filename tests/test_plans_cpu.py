@@ -872,13 +872,22 @@ def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidde
     ((64, 16), 128, 2, (1, 2)),    # 1024 pairs: no split (3.9 waves of whole pairs)
     ((1, 16), 4096, 2, (16, 4)),   # 256 blocks of 4 tiles: one wave
     ((2, 16), 256, 1, (4, 1)),     # one tile a block, 128 blocks
-    ((1, 40), 1560, 2, (13, 2))])  # Wan2.2: 520 blocks of 2 tiles (2 waves), not 280 of 4 (2 waves)
+    ((1, 40), 1560, 2, (13, 2)),   # Wan2.2: 520 blocks of 2 tiles (2 waves), not 280 of 4 (2 waves)
+    ((8, 40), 512, 2, (1, 8))])    # 320 pairs fill the 264 slots: no split (each chunk a 168 MiB partial)
 def test_query_chunks_minimise_waves_times_block_length(pairs, n_video, blocks_per_sm, expected):
     from cupy_xattn.attention_bwd import chunking
-    n_chunks, tiles = chunking(*pairs, n_video, 132, blocks_per_sm)
-    assert (n_chunks, tiles) == expected
+    assert chunking(*pairs, n_video, 132, blocks_per_sm) == expected
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(1, 128), st.integers(1, 64), st.integers(1, 40000), st.integers(1, 4), st.integers(1, 170))
+def test_query_chunks_cover_every_tile_once(batch, heads, n_video, blocks_per_sm, sm_count):
+    from cupy_xattn.attention_bwd import chunking
+    n_chunks, tiles = chunking(batch, heads, n_video, sm_count, blocks_per_sm)
     n_tiles = -(-n_video // 64)
-    assert (n_chunks - 1) * tiles < n_tiles <= n_chunks * tiles  # every chunk owns a tile
+    assert (n_chunks - 1) * tiles < n_tiles <= n_chunks * tiles  # no chunk empty, none past the last tile
+    if batch * heads >= blocks_per_sm * sm_count:
+        assert n_chunks == 1
 
 
 def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
