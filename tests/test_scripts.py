@@ -69,3 +69,16 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
     from cupy_xattn import kernels
     cubin = kernels.compile_source(_script("wgmma_probe").kernel_source(n), "wgmma_probe.cu", "sm_90a")
     assert cubin[:4] == b"\x7fELF" and b"bench" in cubin and b"probe_11" in cubin
+
+
+@pytest.mark.parametrize("name", ["loads", "exp", "stores"])
+def test_attention_ablations_find_their_lines_in_the_kernels(name):
+    # Each ablation rewrites one line of the kernels: one that moved or changed would leave the tree
+    # the same as the base, and the device call that times them would measure nothing.
+    ablation = _script("attention_ablation")
+    root = Path(__file__).resolve().parent.parent
+    edits = [ablation.ABLATIONS[name]]
+    if name == "stores":
+        edits.append(("kernels_cu/attention_bwd.cu", *ablation.O_STORE))
+    for file, text, _ in edits:
+        assert (root / file).read_text().count(text) == 1
