@@ -6,7 +6,8 @@
 # Times the 16 SOL-ExecBench cases at fp32, tf32 and fp16 (50 timed runs after 10
 # warm-ups each, cold L2, rotated inputs), with the PyTorch and naive-CuPy baselines and
 # the card's measured ceilings; writes benchmarks/h200-<UTC stamp>.json, copies it to
-# benchmarks/h200-latest.json and regenerates BENCHMARKS.md from it. When $OUT is set
+# benchmarks/h200-latest.json and regenerates BENCHMARKS.md from it (with the Wan2.2 JSON
+# benchmarks/h200-wan22-latest.json where there is one). When $OUT is set
 # (the lent device machines), the JSON and BENCHMARKS.md are copied there too.
 #
 # Overrides: PRECISIONS (default fp32,tf32,fp16), REPS (50), WARMUP (10),
@@ -30,7 +31,9 @@ start=$SECONDS
 echo "sweep took $((SECONDS - start)) s; wrote $json" >&2
 
 cp "$json" benchmarks/h200-latest.json
-"$PYTHON" scripts/write_benchmarks_md.py benchmarks/h200-latest.json -o BENCHMARKS.md
+wan22=()  # the Wan2.2 suite's last sweep keeps its section of BENCHMARKS.md
+[ -f benchmarks/h200-wan22-latest.json ] && wan22=(benchmarks/h200-wan22-latest.json)
+"$PYTHON" scripts/write_benchmarks_md.py benchmarks/h200-latest.json "${wan22[@]}" -o BENCHMARKS.md
 "$PYTHON" -c 'import json, sys; from cupy_xattn import bench; sys.stdout.write(bench.format_rows(json.load(open(sys.argv[1])), "table"))' "$json"
 
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then

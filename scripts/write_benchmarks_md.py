@@ -148,7 +148,7 @@ def render(result, title="Benchmarks"):
               "GPU idle at the start of each call, so launch gaps and the host time before the "
               "first launch count")
            + ". host µs = perf_counter around the Python call.",
-           "- TFLOP/s = (10·Mv·D² + 12·Mt·D² + 12·Mv·Nt·D) / time (WORKLOAD.md); "
+           "- TFLOP/s = (10·Mv·D² + 12·Mt·D² + 12·Mv·Nt·D) / time (the benchmark's WORKLOAD.md; `cases.flops`); "
            "\"of ceiling\" = TFLOP/s / this card's measured GEMM rate at that precision (cupy_xattn's "
            "fp32: a third of the fp16 rate, since that mode runs each product as three fp16 GEMMs); "
            "× vs torch-tf32-graph = torch-tf32-graph time / cupy_xattn time (> 1: we are faster).",

@@ -873,7 +873,7 @@ def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidde
     ((1, 16), 4096, 2, (16, 4)),   # 256 blocks of 4 tiles: one wave
     ((2, 16), 256, 1, (4, 1)),     # one tile a block, 128 blocks
     ((1, 40), 1560, 2, (13, 2)),   # Wan2.2: 520 blocks of 2 tiles (2 waves), not 280 of 4 (2 waves)
-    ((8, 40), 512, 2, (1, 8))])    # 320 pairs fill the 264 slots: no split (each chunk a 168 MiB partial)
+    ((8, 40), 512, 2, (1, 8))])    # 320 pairs fill the 264 slots: no split (each chunk a 160 MiB partial)
 def test_query_chunks_minimise_waves_times_block_length(pairs, n_video, blocks_per_sm, expected):
     from cupy_xattn.attention_bwd import chunking
     assert chunking(*pairs, n_video, 132, blocks_per_sm) == expected
