@@ -5,6 +5,8 @@ wrong; only the kernel's time means anything):
   loads   every tile load reads the head's first rows (hits in L2/L1): the global-load latency
   exp     the softmax without exp2f
   stores  the dQ and O stores behind a condition that never holds (their products stay)
+  barriers  the block barriers of the operand scales and of dS (tiles read half written)
+  scales  the products not divided by their operands' scales (unscale a no-op)
 
 Usage:  python3 scripts/attention_ablation.py make .scratch/ab        (here: base and one tree each)
         python3 scripts/attention_ablation.py run .scratch/ab          (on the GPU: per-kernel traces)
@@ -16,17 +18,19 @@ import pathlib
 import subprocess
 import sys
 
-# (file, text, replacement): each text occurs once in the kernel sources (tests/test_kernels.py).
+BWD, COMMON = "kernels_cu/attention_bwd.cu", "kernels_cu/attention_common.cuh"
+# name: [(file, text, replacement)]; each text occurs once in the kernel sources (tests/test_scripts.py).
 ABLATIONS = {
-    "loads": ("kernels_cu/attention_common.cuh", "src + (long long)(row0 + row(j)) * ld_src + col()",
-              "src + (long long)row(j) * ld_src + col()"),
-    "exp": ("kernels_cu/attention_bwd.cu", "p[n][i] = exp2f(p[n][i] - base);", "p[n][i] = p[n][i] - base;"),
-    "stores": ("kernels_cu/attention_bwd.cu", "store_rows<NT_HD>(hs.dq + col0,",
-               "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,"),
+    "loads": [(COMMON, "src + (long long)(row0 + row(j)) * ld_src + col()",
+               "src + (long long)row(j) * ld_src + col()")],
+    "exp": [(BWD, "p[n][i] = exp2f(p[n][i] - base);", "p[n][i] = p[n][i] - base;")],
+    "stores": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,"),
+               (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],
+    "barriers": [(COMMON, "    if (ATTN_HALF) __syncthreads();\n    run_a.update", "    run_a.update"),
+                 (BWD, "    __syncthreads();  // all rows of dS (and of P) are in shared memory\n", "")],
+    "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
 }
-# The stores tree also guards the O store.
-O_STORE = ("            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")
-SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"), ("64x128x77", "tf32"))
+SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"))  # the kernel is the same in tf32
 
 
 def make(folder):
@@ -34,10 +38,7 @@ def make(folder):
         tree = folder / name
         subprocess.run(f"rm -rf {tree} && mkdir -p {tree} && git archive HEAD | tar -x -C {tree}", shell=True,
                        check=True)
-        edits = [ABLATIONS[name]] if name in ABLATIONS else []
-        if name == "stores":
-            edits.append(("kernels_cu/attention_bwd.cu", *O_STORE))
-        for file, text, replacement in edits:
+        for file, text, replacement in ABLATIONS.get(name, []):
             path = tree / file
             source = path.read_text()
             if source.count(text) != 1:
