@@ -66,13 +66,14 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
     kernel's dK/dV accumulators would double), two blocks per SM.
     """
     row = head_dim + 8
+    p_ds_tiles = 2 if operand_bytes(precision) == 2 else 1  # P and dS, or dS over P
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
-        p_ds = rows * (_padded(keys, 32) + 8) * (2 if operand_bytes(precision) == 2 else 1)
+        p_ds = rows * (_padded(keys, 32) + 8) * p_ds_tiles
         smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
-    p_ds = BLOCK_Q * (kv + 8) * (2 if operand_bytes(precision) == 2 else 1)
+    p_ds = BLOCK_Q * (kv + 8) * p_ds_tiles
     smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + p_ds)
     if operand_bytes(precision) == 2:
         smem += 4 * 2 * kv * head_dim  # the next key/value tile, staged as fp32
@@ -111,12 +112,15 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, b
     if pairs >= slots:
         return 1, n_q_tiles
 
+    def chunks(tiles):
+        return -(-n_q_tiles // tiles)
+
     def cost(tiles):
-        waves = -(-pairs * -(-n_q_tiles // tiles) // slots)
+        waves = -(-pairs * chunks(tiles) // slots)
         return waves * (tiles + 0.5), -tiles
 
     tiles_per_chunk = min(range(1, n_q_tiles + 1), key=cost)
-    return -(-n_q_tiles // tiles_per_chunk), tiles_per_chunk
+    return chunks(tiles_per_chunk), tiles_per_chunk
 
 
 def launch_layout(problem, precision, sm_count):
