@@ -73,7 +73,7 @@ def _with_defines(filename, defines):
     return "".join(lines) + kernel_source(filename)
 
 
-def get_kernel(filename, kernel_name, defines=None):
+def get_kernel(filename, kernel_name, defines=None, arch=None):
     """Compiled ``extern "C"`` kernel ``kernel_name`` of ``kernels_cu/<filename>`` for the current GPU.
 
     Parameters
@@ -83,6 +83,9 @@ def get_kernel(filename, kernel_name, defines=None):
     kernel_name : str
     defines : dict, optional
         Name -> value, prepended as ``#define`` lines.
+    arch : str, optional
+        A target other than the device's own, e.g. "sm_90a" for wgmma; compiled here
+        (``compile_cubin``) and kept in memory only, not in CuPy's disk cache.
 
     Returns
     -------
@@ -92,7 +95,9 @@ def get_kernel(filename, kernel_name, defines=None):
     """
     cupy = import_cupy()
     device = cupy.cuda.Device()
-    key = (filename, tuple(sorted((defines or {}).items())), device.id)
+    key = (filename, tuple(sorted((defines or {}).items())), device.id, arch)
+    if key not in _modules and arch is not None:
+        _modules[key] = _module_without_cache(filename, arch, defines)
     if key not in _modules:
         try:  # compiles now, through CuPy's disk cache
             module = cupy.RawModule(code=_with_defines(filename, defines), options=("-std=c++17",))

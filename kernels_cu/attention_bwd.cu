@@ -180,6 +180,7 @@ __device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4],
         __syncthreads();  // every warp is done reading P
     }
     store_acc<NT>(ds_s, LD, r0, ds, s_ds, g, t);
+    fence_operands();
     __syncthreads();  // all rows of dS (and of P) are in shared memory
     if (ATTN_HALF) dv_product();
 }
@@ -461,7 +462,11 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // and head-dim columns [part·head_dim/2, +head_dim/2) of O and dQ (from whole rows of P in p_s and
 // of dS in ds_s); the dK and dV tiles are dealt over all the warps. Twice the warps on a tile, each with
 // half the chain of dependent instructions: on the small cases one tile is all an SM has.
+#if ATTN_WGMMA
+#define LD_P ATTN_KEYS  // core matrices (operand_offset)
+#else
 #define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
+#endif
 static_assert(ATTN_KEYS % (16 * ATTN_KEY_SPLIT) == 0, "each warp's keys are whole 16-row mma tiles");
 static_assert(ATTN_KEY_SPLIT == 1 || (ATTN_KEY_SPLIT == 2 && ATTN_HALF), "keys split in two, with fp16 operands");
 
@@ -524,11 +529,17 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
     RunScale q_run, do_run, ds_run;
-    // acc += A^T B for this warp's tiles (A = P in p_s or dS in ds_s, B = dO or Q).
+    // acc += A^T B for this warp's tiles (A = P in p_s or dS in ds_s, B = dO or Q). With wgmma the
+    // warpgroup takes B^T A = dV^T (or dK^T): warp w holds head-dim rows 16w + g (+ 8), keys 8j + 2t (+ 1).
     auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* a_s, const operand_t* b_s) {
+#if ATTN_WGMMA
+        static_assert(PER_WARP == NK / 8, "dK^T, dV^T: NK / 8 column tiles a warp");
+        wg_product<NK, 1, 1>(acc, b_s, ATTN_HEAD_DIM, a_s, LD_P, ATTN_BLOCK_Q / 16, true);
+#else
         accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
             transposed_products<NK>(hi, lo, a_s, LD_P, b_s, warp, g, t);
         });
+#endif
     };
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
@@ -544,8 +555,10 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform
         const float s_q = q_run.s, s_do = do_run.s;
         // Each warp stored its own 16 rows of Q and dO (TileIn) and reads only them until store_ds's
-        // barrier; with the keys split, the two warps of 16 rows read what two other warps stored.
-        if (ATTN_KEY_SPLIT > 1) __syncthreads(); else __syncwarp();
+        // barrier; with the keys split, the two warps of 16 rows read what two other warps stored, and
+        // with wgmma the warpgroup's products read all of them (and, at the first tile, K and V).
+        fence_operands();
+        if (ATTN_KEY_SPLIT > 1 || ATTN_WGMMA) __syncthreads(); else __syncwarp();
 
         // P = softmax(S) exactly, from the whole row: this warp's part of it, then the row's parts.
         float p[NT_K][4];
@@ -591,7 +604,8 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         }
         // O = P V first: fewer registers are live than while dP is held too.
         store_acc<NT_K>(p_s + key0, LD_P, r0, p, P_SCALE, g, t);
-        row_sync(row_group);  // the row's P, all its parts
+        fence_operands();
+        if (ATTN_WGMMA) __syncthreads(); else row_sync(row_group);  // the row's P, all its parts (wgmma: every row)
         {
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
@@ -640,6 +654,18 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     unscale<PER_WARP>(dv_acc, P_SCALE, do_run.s);
 
     // This chunk's dK and dV (rows past n_text are padding).
+#if ATTN_WGMMA
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = 8 * j + 2 * t + (i & 1), dim = 16 * warp + g + 8 * (i >> 1);
+            if (key < n_text) {
+                hs.dk[key * ld_kv + dim] = dk_acc[j][i];
+                hs.dv[key * ld_kv + dim] = dv_acc[j][i];
+            }
+        }
+#else
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j) {
         const int n0 = Tiles::col(j, warp, t);
@@ -652,6 +678,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             }
         }
     }
+#endif
 }
 #endif
 

@@ -163,6 +163,7 @@ def gpu(monkeypatch):
     class Device:
         def __init__(self, device=None):
             self.id = log.device if device is None else device
+            self.compute_capability = "90"  # an H200: the resident attention on wgmma
 
         def __enter__(self):
             return self
@@ -223,7 +224,8 @@ def gpu(monkeypatch):
                 raise _cublas.CublasError("failed on purpose")
             log.append(("gemm", args[-2], self.stream.ptr))  # batch count, stream
 
-    monkeypatch.setattr(kernels, "get_kernel", lambda filename, name, defines=None: FakeKernel(filename, name))
+    monkeypatch.setattr(kernels, "get_kernel",
+                        lambda filename, name, defines=None, arch=None: FakeKernel(filename, name))
     monkeypatch.setattr(backward._cublas, "Handle", FakeHandle)
     monkeypatch.setattr(plans, "_cache", type(plans._cache)())
     log.null = null
