@@ -44,6 +44,16 @@ def test_attention_kernel_variants_compile(defines, arch):
     assert (b"attn_bwd_resident" in cubin) == resident and (b"\x00attn_bwd\x00" in cubin) != resident
 
 
+@pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 48, "ATTN_O_TRANSPOSED": 1},
+                                     {"ATTN_KEYS": 80, "ATTN_O_HALF": 1}])
+def test_wgmma_attention_compiles_for_sm_90a(defines):
+    # ATTN_WGMMA: the resident kernel's products as warpgroup MMAs, which only sm_90a has.
+    defines = dict(defines, ATTN_HALF=1, ATTN_WGMMA=1, ATTN_RESIDENT_MIN_BLOCKS=2)
+    assert b"attn_bwd_resident" in kernels.compile_cubin("attention_bwd.cu", "sm_90a", defines)
+    with pytest.raises(kernels.CompileError):
+        kernels.compile_cubin("attention_bwd.cu", "sm_90", defines)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_transpose_of_floats_compiles(arch):  # TR_VEC = 1: shapes whose rows are not float4s
     cubin = kernels.compile_cubin("transpose.cu", arch, {"TR_VEC": 1})
