@@ -120,8 +120,8 @@ def cubin_cache_path(filename, arch, defines=None):
     """Where ``get_kernel(..., arch=...)`` keeps the cubin: CuPy's cache folder, named by a hash of
     the source with its defines, the target and the compiler (NVRTC's version, or nvcc)."""
     nvrtc = _nvrtc()
-    compiler = f"nvrtc {nvrtc.getVersion()}" if nvrtc is not None else "nvcc"
-    text = "\0".join((_with_defines(filename, defines), arch, compiler, "-ftz=true"))
+    compiler = f"nvrtc {nvrtc.getVersion()} {' '.join(_nvrtc_options(arch))}" if nvrtc is not None else "nvcc"
+    text = "\0".join((_with_defines(filename, defines), arch, compiler))
     return Path(cache_dir()) / f"cupy_xattn_{hashlib.sha256(text.encode()).hexdigest()[:40]}.cubin"
 
 
@@ -183,10 +183,7 @@ def compile_source(source, filename, arch):
     nvrtc = _nvrtc()
     if nvrtc is None:
         return _compile_with_nvcc(source, filename, arch)
-    from cupy._core.core import assemble_cupy_compiler_options
-
-    # -ftz=true as CuPy's RawModule adds it: a cubin from here computes what the cached module does
-    options = (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17", "-ftz=true")
+    options = _nvrtc_options(arch)
     program = nvrtc.createProgram(source, filename, (), ())
     try:
         try:
@@ -196,6 +193,14 @@ def compile_source(source, filename, arch):
         return nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def _nvrtc_options(arch):
+    """NVRTC's options for compile_cubin: CuPy's own (include paths, C++17) and -ftz=true as CuPy's
+    RawModule adds it, so a cubin from here computes what a cached module does."""
+    from cupy._core.core import assemble_cupy_compiler_options
+
+    return (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17", "-ftz=true")
 
 
 def _nvrtc():

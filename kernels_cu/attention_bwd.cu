@@ -53,6 +53,7 @@
 // resident kernel unrolls fully without spilling, and gains ~1 µs on the suite mean.
 #define ATTN_UNROLL_K (ATTN_KEYS && !ATTN_HALF ? 2 : 16)
 #include "attention_common.cuh"
+static_assert(!ATTN_WGMMA || ATTN_KEYS > 0, "wgmma: the resident kernel only");
 
 static_assert(!ATTN_O_HALF || (ATTN_HALF && !ATTN_O_TRANSPOSED), "fp16 O: row-major, from the fp16-operand build");
 #if ATTN_O_HALF
@@ -455,7 +456,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // Shared memory: 2 (K, V) + 2 (Q, dO) row tiles, P and dS (one tile in the fp32 build, store_ds);
 // for ≤ 80 keys two blocks per SM with
 // 64-row tiles, one with 128-row tiles (ATTN_RESIDENT_MIN_BLOCKS, set by the launcher).
-// The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts).
+// The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts); with wgmma
+// every tile is unpadded 8×8 core matrices (operand_offset).
 // With ATTN_KEY_SPLIT = 2 each 16 query rows are owned by a pair of warps: warp w takes rows
 // (w % ROW_WARPS)·16 with keys [part·NK/2, +NK/2) for S, the softmax and dP (part = w / ROW_WARPS;
 // the pair exchanges row maxima, sums and D through shared memory under a barrier of its own),
@@ -494,7 +496,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
     constexpr int PER_WARP = Tiles::N;
-    extern __shared__ float4 smem4[];
+    extern __shared__ __align__(128) float4 smem4[];  // wgmma: core matrices 128-byte aligned
     operand_t* k_s = reinterpret_cast<operand_t*>(smem4);  // [NK][LD_HD]
     operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
     operand_t* q_s = v_s + NK * LD_HD;                      // [ATTN_BLOCK_Q][LD_HD]

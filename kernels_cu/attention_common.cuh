@@ -39,8 +39,8 @@
 #ifndef ATTN_WGMMA
 #define ATTN_WGMMA 0
 #endif
-static_assert(!ATTN_WGMMA || (ATTN_HALF && ATTN_BLOCK_Q == 64 && ATTN_KEY_SPLIT == 1),
-              "wgmma: fp16 operands, one warpgroup of 64 query rows");
+static_assert(!ATTN_WGMMA || (ATTN_HALF && ATTN_BLOCK_Q == 64 && ATTN_KEY_SPLIT == 1 && ATTN_HEAD_DIM == 64),
+              "wgmma: fp16 operands, one warpgroup of 64 query rows, head_dim 64");
 static_assert(!(ATTN_HALF && ATTN_SPLIT3), "the fp16 operands and the 3xTF32 split are two builds");
 
 #define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32 * ATTN_KEY_SPLIT)
@@ -365,6 +365,16 @@ WGMMA_N(64, WG_REGS_32, 32, 33, 34, 35, 36, WG_OUT_2(0), WG_OUT_2(2), WG_OUT_2(4
 WGMMA_N(80, WG_REGS_32 ", " WG_REGS_8(32, 33, 34, 35, 36, 37, 38, 39), 40, 41, 42, 43, 44, WG_OUT_2(0), WG_OUT_2(2), WG_OUT_2(4), WG_OUT_2(6),
         WG_OUT_2(8))
 
+// The accumulators' writes stay before the chain's fence and their reads after its wait: the asm
+// statements around the chain name no registers, so without this the compiler may move them.
+template <int N>
+__device__ __forceinline__ void pin_accumulators(float (&c)[N / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(c[n][i])::"memory");
+}
+
 // c (+)= A·B^T for the block's 64 rows (one warpgroup: every thread calls it), K = 16·k_steps:
 // A (64 × K) from tile a with a_cols columns ([64][K], or with TA [K][64]), B (N × K) from tile b
 // ([N][K], or with TB [K][N]). The tiles' stores must be behind fence_operands() and a barrier.
@@ -375,6 +385,7 @@ __device__ __forceinline__ void wg_product(float (&c)[N / 8][4], const operand_t
     // (LBO, SBO, bytes per k step) of a tile: K along its columns, or (transposed) along its rows.
     const unsigned a_lbo = TA ? a_cols * 16 : 128, a_sbo = TA ? 128 : a_cols * 16;
     const unsigned b_lbo = TB ? b_cols * 16 : 128, b_sbo = TB ? 128 : b_cols * 16;
+    pin_accumulators<N>(c);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int k = 0; k < k_steps; ++k)
@@ -382,6 +393,7 @@ __device__ __forceinline__ void wg_product(float (&c)[N / 8][4], const operand_t
                                        wg_desc(b, k * 2 * b_lbo, b_lbo, b_sbo), accumulate || k > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    pin_accumulators<N>(c);
 }
 
 #endif
