@@ -496,7 +496,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
     constexpr int PER_WARP = Tiles::N;
-    extern __shared__ __align__(128) float4 smem4[];  // wgmma: core matrices 128-byte aligned
+    extern __shared__ __align__(ATTN_WGMMA ? 128 : 16) float4 smem4[];  // wgmma: 128-byte core matrices
     operand_t* k_s = reinterpret_cast<operand_t*>(smem4);  // [NK][LD_HD]
     operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
     operand_t* q_s = v_s + NK * LD_HD;                      // [ATTN_BLOCK_Q][LD_HD]
@@ -531,18 +531,18 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
     RunScale q_run, do_run, ds_run;
-    // acc += A^T B for this warp's tiles (A = P in p_s or dS in ds_s, B = dO or Q). With wgmma the
-    // warpgroup takes B^T A = dV^T (or dK^T): warp w holds head-dim rows 16w + g (+ 8), keys 8j + 2t (+ 1).
-    auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* a_s, const operand_t* b_s) {
 #if ATTN_WGMMA
-        static_assert(PER_WARP == NK / 8, "dK^T, dV^T: NK / 8 column tiles a warp");
-        wg_product<NK, 1, 1>(acc, b_s, ATTN_HEAD_DIM, a_s, LD_P, ATTN_BLOCK_Q / 16, true);
+    // The warpgroup takes dV^T = dO^T P and dK^T = Q^T dS: warp w holds head-dim rows 16w + g (+ 8),
+    // keys 8j + 2t (+ 1).
+    static_assert(PER_WARP == NK / 8, "dK^T, dV^T: NK / 8 column tiles a warp");
 #else
+    // acc += A^T B for this warp's tiles (A = P in p_s or dS in ds_s, B = dO or Q).
+    auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* a_s, const operand_t* b_s) {
         accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
             transposed_products<NK>(hi, lo, a_s, LD_P, b_s, warp, g, t);
         });
-#endif
     };
+#endif
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
     const int tile_begin = blockIdx.x * tiles_per_chunk;
@@ -641,6 +641,22 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         ds_run.update(ds_bound_scale(s_do, s_v, scale));
         const float dk_ratio = ds_run.ratio * q_run.ratio;
         if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
+#if ATTN_WGMMA
+        // dV^T += dO^T P, dK^T += Q^T dS and dQ = dS K: three independent chains in flight at once.
+        store_ds<NT_K, LD_P>(ds_s, dp, ds_run.s, r0, g, t, [] {});
+        {
+            float dq_acc[NT_HD][4];
+            wg_issue<NK, 1, 1>(dv_acc, do_s, ATTN_HEAD_DIM, p_s, LD_P, ATTN_BLOCK_Q / 16, true);
+            wg_issue<NK, 1, 1>(dk_acc, q_s, ATTN_HEAD_DIM, ds_s, LD_P, ATTN_BLOCK_Q / 16, true);
+            wg_issue<ATTN_HEAD_DIM, 0, 1>(dq_acc, ds_s, LD_P, k_s, ATTN_HEAD_DIM, NK / 16, false);
+            wg_wait();
+            pin_accumulators<NK>(dv_acc);
+            pin_accumulators<NK>(dk_acc);
+            pin_accumulators<ATTN_HEAD_DIM>(dq_acc);
+            unscale<NT_HD>(dq_acc, ds_run.s, s_k);
+            store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+        }
+#else
         store_ds<NT_K, LD_P>(ds_s + key0, dp, ds_run.s, r0, g, t,
                              [&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO
         add_transposed(dk_acc, ds_s, q_s);  // dK += dS^T Q
@@ -651,6 +667,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             unscale<NT_HD>(dq_acc, ds_run.s, s_k);
             store_rows<NT_HD>(hs.dq + col0, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
+#endif
     }
     unscale<PER_WARP>(dk_acc, ds_run.s, q_run.s);
     unscale<PER_WARP>(dv_acc, P_SCALE, do_run.s);

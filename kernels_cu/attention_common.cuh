@@ -378,11 +378,11 @@ __device__ __forceinline__ void pin_accumulators(float (&c)[N / 8][4]) {
 // c (+)= A·B^T for the block's 64 rows (one warpgroup: every thread calls it), K = 16·k_steps:
 // A (64 × K) from tile a with a_cols columns ([64][K], or with TA [K][64]), B (N × K) from tile b
 // ([N][K], or with TB [K][N]). The tiles' stores must be behind fence_operands() and a barrier.
-// Returns with the products done (their shared-memory reads too).
+// wg_issue starts the chain (one commit group); c is ready, and the tiles read, after wg_wait.
 template <int N, int TA, int TB>
-__device__ __forceinline__ void wg_product(float (&c)[N / 8][4], const operand_t* a, int a_cols, const operand_t* b,
-                                           int b_cols, int k_steps, bool accumulate) {
-    // (LBO, SBO, bytes per k step) of a tile: K along its columns, or (transposed) along its rows.
+__device__ __forceinline__ void wg_issue(float (&c)[N / 8][4], const operand_t* a, int a_cols, const operand_t* b,
+                                         int b_cols, int k_steps, bool accumulate) {
+    // (LBO, SBO) of a tile: K along its columns, or (transposed) along its rows; a k step is 2 LBO.
     const unsigned a_lbo = TA ? a_cols * 16 : 128, a_sbo = TA ? 128 : a_cols * 16;
     const unsigned b_lbo = TB ? b_cols * 16 : 128, b_sbo = TB ? 128 : b_cols * 16;
     pin_accumulators<N>(c);
@@ -392,7 +392,17 @@ __device__ __forceinline__ void wg_product(float (&c)[N / 8][4], const operand_t
         Wgmma<N>::template mma<TA, TB>(c, wg_desc(a, k * 2 * a_lbo, a_lbo, a_sbo),
                                        wg_desc(b, k * 2 * b_lbo, b_lbo, b_sbo), accumulate || k > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// Wait for every chain issued so far; pin_accumulators on each of their accumulators after it.
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// One chain, issued and waited for.
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wg_product(float (&c)[N / 8][4], const operand_t* a, int a_cols, const operand_t* b,
+                                           int b_cols, int k_steps, bool accumulate) {
+    wg_issue<N, TA, TB>(c, a, a_cols, b, b_cols, k_steps, accumulate);
+    wg_wait();
     pin_accumulators<N>(c);
 }
 
