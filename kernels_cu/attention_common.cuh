@@ -423,19 +423,28 @@ __device__ __forceinline__ void fence_operands() {
 // store: one global-memory latency per tile (two tiles loaded before either is stored share one).
 // Warp w takes rows [w·ROWS/warps, (w + 1)·ROWS/warps): a query tile's 16 rows of each warp (without
 // a key split) are the warp's own, which it alone reads until the tile's products over all rows.
+// With ATTN_WGMMA, warp w takes columns [16w, 16w + 16) of every row instead: each store instruction
+// then writes two whole core matrices (8 rows × 8 columns, 256 contiguous bytes), with no bank
+// conflict (rows by warp spread a warp's stores over 8 core matrices at one offset: 8-way).
 template <int ROWS>
 struct TileIn {
+#if ATTN_WGMMA
+    static constexpr int PER_THREAD = ROWS / 8;
+    static_assert(ROWS % 8 == 0 && ATTN_THREADS == 128 && ATTN_HEAD_DIM == 64, "16 columns a warp, 8 rows a pass");
+    __device__ __forceinline__ static int col() { return threadIdx.x / 32 * 16 + threadIdx.x % 4 * 4; }
+    __device__ __forceinline__ static int row(int j) { return j * 8 + threadIdx.x % 32 / 4; }
+#else
     static constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, WARP_ROWS = ROWS / (ATTN_THREADS / 32);
     static constexpr int PER_THREAD = WARP_ROWS * VEC_PER_ROW / 32;
     static_assert(32 % VEC_PER_ROW == 0 && WARP_ROWS * (ATTN_THREADS / 32) == ROWS &&
                   PER_THREAD * 32 == WARP_ROWS * VEC_PER_ROW, "whole rows per warp, whole passes per row");
-    float4 v[PER_THREAD];
-    float amax;
-
     __device__ __forceinline__ static int col() { return (threadIdx.x % VEC_PER_ROW) * 4; }
     __device__ __forceinline__ static int row(int j) {
         return threadIdx.x / 32 * WARP_ROWS + threadIdx.x % 32 / VEC_PER_ROW + j * (32 / VEC_PER_ROW);
     }
+#endif
+    float4 v[PER_THREAD];
+    float amax;
 
     __device__ __forceinline__ void load(const float* __restrict__ src, long long ld_src, int row0, int n_valid,
                                          const float* __restrict__ bias) {
