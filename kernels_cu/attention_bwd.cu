@@ -564,7 +564,18 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 
         // P = softmax(S) exactly, from the whole row: this warp's part of it, then the row's parts.
         float p[NT_K][4];
+#if ATTN_WGMMA
+        // S = Q K^T and dP = dO V^T need only the stored tiles: two chains in flight at once.
+        float dp[NT_K][4];
+        wg_issue<NK, 0, 0>(p, q_s, ATTN_HEAD_DIM, k_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
+        wg_issue<NK, 0, 0>(dp, do_s, ATTN_HEAD_DIM, v_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
+        wg_wait();
+        pin_accumulators<NK>(p);
+        pin_accumulators<NK>(dp);
+        mask_scores<NT_K>(p, key0, n_keys, score_factor(scale_log2, s_q, s_k), t);
+#else
         score_tile<NT_K>(p, q_s, k_s + key0 * LD_HD, r0, key0, n_keys, score_factor(scale_log2, s_q, s_k), g, t);
+#endif
         float norm[2];  // what this part's exp2(s − its max) is multiplied by
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -617,8 +628,11 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                            o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
-        float dp[NT_K][4], d_row[2];
+        float d_row[2];
+#if !ATTN_WGMMA
+        float dp[NT_K][4];
         rows_times_t<NT_K>(dp, do_s, v_s + key0 * LD_HD, r0, g, t);
+#endif
         unscale<NT_K>(dp, s_do, s_v);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

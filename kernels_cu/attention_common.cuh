@@ -614,9 +614,7 @@ __device__ __forceinline__ void rows_times_add(float (&acc)[NT][4], const operan
 // S for NT·8 keys from kv0, scaled to log2 units (scale_log2 includes 1 / the operand scales),
 // keys past n_text masked to −inf.
 template <int NT>
-__device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s, const operand_t* k_s, int r0,
-                                           int kv0, int n_text, float scale_log2, int g, int t) {
-    rows_times_t<NT>(s, q_s, k_s, r0, g, t);
+__device__ __forceinline__ void mask_scores(float s[NT][4], int kv0, int n_text, float scale_log2, int t) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int col = kv0 + n * 8 + 2 * t;
@@ -626,6 +624,12 @@ __device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s,
             s[n][i] = valid ? s[n][i] * scale_log2 : neg_inf();
         }
     }
+}
+template <int NT>
+__device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s, const operand_t* k_s, int r0,
+                                           int kv0, int n_text, float scale_log2, int g, int t) {
+    rows_times_t<NT>(s, q_s, k_s, r0, g, t);
+    mask_scores<NT>(s, kv0, n_text, scale_log2, t);
 }
 
 // Store a warp's 16-row accumulator tile (C layout) times s to shared memory, as mma operands.
