@@ -28,6 +28,9 @@ RESIDENT_MAX_KEYS = 80
 #: the H200: 2x256x77 and 1x512x77 −4 to −6 µs; on every larger grid slower (+3 to +13 µs at two
 #: such blocks per SM, 128 registers; +4 to +118 at one). fp16 operands only.
 RESIDENT_KEY_SPLIT = 2
+#: on sm_90 the resident kernel with fp16 operands, 64-row tiles and no key split runs its products as
+#: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync
+WGMMA = True
 _REDUCE_THREADS = 256
 
 
@@ -54,9 +57,10 @@ def operand_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
-def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
+def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
-    for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT).
+    for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT, and whether it
+    runs on wgmma: its tiles are then unpadded core matrices).
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
     the P and dS tiles (one tile with fp32 operands: dS overwrites P); with fp16 operands, the
@@ -71,6 +75,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
         keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
         p_ds = rows * (_padded(keys, 32) + 8) * p_ds_tiles
         smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
+        if wgmma:
+            smem = 2 * (2 * keys * head_dim + 2 * rows * head_dim + 2 * rows * keys)
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     p_ds = BLOCK_Q * (kv + 8) * p_ds_tiles
@@ -79,6 +85,13 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1):
         smem += 4 * 2 * kv * head_dim  # the next key/value tile, staged as fp32
     blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
+
+
+def uses_wgmma(layout, precision, compute_capability):
+    """Whether a launch_layout runs on wgmma (WGMMA) on a GPU of this compute capability ("90")."""
+    name, keys, rows, *_, key_split = layout
+    return (WGMMA and str(compute_capability) == "90" and keys > 0 and rows == 64 and key_split == 1
+            and operand_bytes(precision) == 2)
 
 
 def o_t_stride(rows):
@@ -175,8 +188,12 @@ class AttentionBackward:
         cupy = import_cupy()
         self.o_half = o_half
         self.problem = problem
-        (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk,
-         split) = launch_layout(problem, precision, sm_count)
+        layout = launch_layout(problem, precision, sm_count)
+        (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk, split) = layout
+        self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
+        if self.wgmma:
+            self._smem_bytes = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split, True)[3]
+        arch = "sm_90a" if self.wgmma else None
         self._threads = rows // 16 * 32 * split
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
         block_kv = streamed_block_kv(problem.num_text_tokens, precision, problem.head_dim) if not keys else BLOCK_KV
@@ -184,15 +201,15 @@ class AttentionBackward:
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
                    "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
-                   "ATTN_O_HALF": int(o_half)}
-        self._main = kernels.get_kernel(SOURCE, name, defines)
+                   "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma)}
+        self._main = kernels.get_kernel(SOURCE, name, defines, arch)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
         # All of the unified L1/shared storage as shared memory: the default split measured on the
         # H200 left room for fewer blocks than the shared memory allows (also below 48 KiB, as the
         # fp16 operands' tiles are).
         self._main.preferred_shared_memory_carveout = 100
-        self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines) if reduce_dkv else None
+        self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines, arch) if reduce_dkv else None
         n_text_rows = problem.batch_size * problem.num_text_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
                           if self.n_chunks > 1 else None)

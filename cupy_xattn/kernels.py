@@ -4,6 +4,7 @@ The .cu files live in the checkout's top-level ``kernels_cu/`` and are installed
 ``cupy_xattn/kernels_cu/``; an editable install does not see that mapping, so both places
 are searched, the installed copy first.
 """
+import hashlib
 import os
 import re
 import shutil
@@ -73,7 +74,7 @@ def _with_defines(filename, defines):
     return "".join(lines) + kernel_source(filename)
 
 
-def get_kernel(filename, kernel_name, defines=None):
+def get_kernel(filename, kernel_name, defines=None, arch=None):
     """Compiled ``extern "C"`` kernel ``kernel_name`` of ``kernels_cu/<filename>`` for the current GPU.
 
     Parameters
@@ -83,6 +84,9 @@ def get_kernel(filename, kernel_name, defines=None):
     kernel_name : str
     defines : dict, optional
         Name -> value, prepended as ``#define`` lines.
+    arch : str, optional
+        A target other than the device's own, e.g. "sm_90a" for wgmma: compiled here
+        (``compile_cubin``), its cubin kept in CuPy's cache folder beside CuPy's own.
 
     Returns
     -------
@@ -92,7 +96,14 @@ def get_kernel(filename, kernel_name, defines=None):
     """
     cupy = import_cupy()
     device = cupy.cuda.Device()
-    key = (filename, tuple(sorted((defines or {}).items())), device.id)
+    key = (filename, tuple(sorted((defines or {}).items())), device.id, arch)
+    if key not in _modules and arch is not None:
+        try:
+            _modules[key] = _module_from_cached_cubin(filename, arch, defines)
+        except OSError as exc:
+            warnings.warn(f"cupy_xattn: the kernel cache ({cache_dir()}) is not usable ({exc}); "
+                          f"compiling {filename} without it", RuntimeWarning, stacklevel=2)
+            _modules[key] = _module_without_cache(filename, arch, defines)
     if key not in _modules:
         try:  # compiles now, through CuPy's disk cache
             module = cupy.RawModule(code=_with_defines(filename, defines), options=("-std=c++17",))
@@ -103,6 +114,30 @@ def get_kernel(filename, kernel_name, defines=None):
             module = _module_without_cache(filename, f"sm_{device.compute_capability}", defines)
         _modules[key] = module
     return _modules[key].get_function(kernel_name)
+
+
+def cubin_cache_path(filename, arch, defines=None):
+    """Where ``get_kernel(..., arch=...)`` keeps the cubin: CuPy's cache folder, named by a hash of
+    the source with its defines, the target and the compiler (NVRTC's version, or nvcc)."""
+    nvrtc = _nvrtc()
+    compiler = f"nvrtc {nvrtc.getVersion()} {' '.join(_nvrtc_options(arch))}" if nvrtc is not None else "nvcc"
+    text = "\0".join((_with_defines(filename, defines), arch, compiler))
+    return Path(cache_dir()) / f"cupy_xattn_{hashlib.sha256(text.encode()).hexdigest()[:40]}.cubin"
+
+
+def _module_from_cached_cubin(filename, arch, defines):
+    """A RawModule of the cubin at ``cubin_cache_path``, compiled and written there first if missing
+    (through a temporary file and a rename, so a reader never sees half a cubin)."""
+    cupy = import_cupy()
+    path = cubin_cache_path(filename, arch, defines)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_bytes(compile_cubin(filename, arch, defines))
+        os.replace(partial, path)
+    module = cupy.RawModule(path=str(path))
+    module.module  # load it now: a broken file fails here, not at the first launch  # noqa: B018
+    return module
 
 
 def _module_without_cache(filename, arch, defines):
@@ -148,10 +183,7 @@ def compile_source(source, filename, arch):
     nvrtc = _nvrtc()
     if nvrtc is None:
         return _compile_with_nvcc(source, filename, arch)
-    from cupy._core.core import assemble_cupy_compiler_options
-
-    # -ftz=true as CuPy's RawModule adds it: a cubin from here computes what the cached module does
-    options = (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17", "-ftz=true")
+    options = _nvrtc_options(arch)
     program = nvrtc.createProgram(source, filename, (), ())
     try:
         try:
@@ -161,6 +193,14 @@ def compile_source(source, filename, arch):
         return nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def _nvrtc_options(arch):
+    """NVRTC's options for compile_cubin: CuPy's own (include paths, C++17) and -ftz=true as CuPy's
+    RawModule adds it, so a cubin from here computes what a cached module does."""
+    from cupy._core.core import assemble_cupy_compiler_options
+
+    return (*assemble_cupy_compiler_options(()), f"-arch={arch}", "-std=c++17", "-ftz=true")
 
 
 def _nvrtc():

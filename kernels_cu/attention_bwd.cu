@@ -53,6 +53,7 @@
 // resident kernel unrolls fully without spilling, and gains ~1 µs on the suite mean.
 #define ATTN_UNROLL_K (ATTN_KEYS && !ATTN_HALF ? 2 : 16)
 #include "attention_common.cuh"
+static_assert(!ATTN_WGMMA || ATTN_KEYS > 0, "wgmma: the resident kernel only");
 
 static_assert(!ATTN_O_HALF || (ATTN_HALF && !ATTN_O_TRANSPOSED), "fp16 O: row-major, from the fp16-operand build");
 #if ATTN_O_HALF
@@ -180,6 +181,7 @@ __device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4],
         __syncthreads();  // every warp is done reading P
     }
     store_acc<NT>(ds_s, LD, r0, ds, s_ds, g, t);
+    fence_operands();
     __syncthreads();  // all rows of dS (and of P) are in shared memory
     if (ATTN_HALF) dv_product();
 }
@@ -454,14 +456,19 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
 // Shared memory: 2 (K, V) + 2 (Q, dO) row tiles, P and dS (one tile in the fp32 build, store_ds);
 // for ≤ 80 keys two blocks per SM with
 // 64-row tiles, one with 128-row tiles (ATTN_RESIDENT_MIN_BLOCKS, set by the launcher).
-// The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts).
+// The P/dS stride is ≡ 8 (mod 32) floats, as LD_HD (see there for the bank conflicts); with wgmma
+// every tile is unpadded 8×8 core matrices (operand_offset).
 // With ATTN_KEY_SPLIT = 2 each 16 query rows are owned by a pair of warps: warp w takes rows
 // (w % ROW_WARPS)·16 with keys [part·NK/2, +NK/2) for S, the softmax and dP (part = w / ROW_WARPS;
 // the pair exchanges row maxima, sums and D through shared memory under a barrier of its own),
 // and head-dim columns [part·head_dim/2, +head_dim/2) of O and dQ (from whole rows of P in p_s and
 // of dS in ds_s); the dK and dV tiles are dealt over all the warps. Twice the warps on a tile, each with
 // half the chain of dependent instructions: on the small cases one tile is all an SM has.
+#if ATTN_WGMMA
+#define LD_P ATTN_KEYS  // core matrices (operand_offset)
+#else
 #define LD_P ((ATTN_KEYS + 31) / 32 * 32 + 8)
+#endif
 static_assert(ATTN_KEYS % (16 * ATTN_KEY_SPLIT) == 0, "each warp's keys are whole 16-row mma tiles");
 static_assert(ATTN_KEY_SPLIT == 1 || (ATTN_KEY_SPLIT == 2 && ATTN_HALF), "keys split in two, with fp16 operands");
 
@@ -489,7 +496,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
     constexpr int PER_WARP = Tiles::N;
-    extern __shared__ float4 smem4[];
+    extern __shared__ __align__(ATTN_WGMMA ? 128 : 16) float4 smem4[];  // wgmma: 128-byte core matrices
     operand_t* k_s = reinterpret_cast<operand_t*>(smem4);  // [NK][LD_HD]
     operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
     operand_t* q_s = v_s + NK * LD_HD;                      // [ATTN_BLOCK_Q][LD_HD]
@@ -524,12 +531,18 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     zero<PER_WARP>(dk_acc);
     zero<PER_WARP>(dv_acc);
     RunScale q_run, do_run, ds_run;
+#if ATTN_WGMMA
+    // The warpgroup takes dV^T = dO^T P and dK^T = Q^T dS: warp w holds head-dim rows 16w + g (+ 8),
+    // keys 8j + 2t (+ 1).
+    static_assert(PER_WARP == NK / 8, "dK^T, dV^T: NK / 8 column tiles a warp");
+#else
     // acc += A^T B for this warp's tiles (A = P in p_s or dS in ds_s, B = dO or Q).
     auto add_transposed = [&](float (&acc)[PER_WARP][4], const operand_t* a_s, const operand_t* b_s) {
         accumulate<PER_WARP>(acc, [&](float (&hi)[PER_WARP][4], float (&lo)[PER_WARP][4]) {
             transposed_products<NK>(hi, lo, a_s, LD_P, b_s, warp, g, t);
         });
     };
+#endif
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
     const int tile_begin = blockIdx.x * tiles_per_chunk;
@@ -544,12 +557,25 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform
         const float s_q = q_run.s, s_do = do_run.s;
         // Each warp stored its own 16 rows of Q and dO (TileIn) and reads only them until store_ds's
-        // barrier; with the keys split, the two warps of 16 rows read what two other warps stored.
-        if (ATTN_KEY_SPLIT > 1) __syncthreads(); else __syncwarp();
+        // barrier; with the keys split, the two warps of 16 rows read what two other warps stored, and
+        // with wgmma the warpgroup's products read all of them (and, at the first tile, K and V).
+        fence_operands();
+        if (ATTN_KEY_SPLIT > 1 || ATTN_WGMMA) __syncthreads(); else __syncwarp();
 
         // P = softmax(S) exactly, from the whole row: this warp's part of it, then the row's parts.
         float p[NT_K][4];
+#if ATTN_WGMMA
+        // S = Q K^T and dP = dO V^T need only the stored tiles: two chains in flight at once.
+        float dp[NT_K][4];
+        wg_issue<NK, 0, 0>(p, q_s, ATTN_HEAD_DIM, k_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
+        wg_issue<NK, 0, 0>(dp, do_s, ATTN_HEAD_DIM, v_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
+        wg_wait();
+        pin_accumulators<NK>(p);
+        pin_accumulators<NK>(dp);
+        mask_scores<NT_K>(p, key0, n_keys, score_factor(scale_log2, s_q, s_k), t);
+#else
         score_tile<NT_K>(p, q_s, k_s + key0 * LD_HD, r0, key0, n_keys, score_factor(scale_log2, s_q, s_k), g, t);
+#endif
         float norm[2];  // what this part's exp2(s − its max) is multiplied by
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -591,7 +617,8 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         }
         // O = P V first: fewer registers are live than while dP is held too.
         store_acc<NT_K>(p_s + key0, LD_P, r0, p, P_SCALE, g, t);
-        row_sync(row_group);  // the row's P, all its parts
+        fence_operands();
+        if (ATTN_WGMMA) __syncthreads(); else row_sync(row_group);  // the row's P, all its parts (wgmma: every row)
         {
             float o_acc[NT_HD][4];
             zero<NT_HD>(o_acc);
@@ -601,8 +628,11 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                            o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
-        float dp[NT_K][4], d_row[2];
+        float d_row[2];
+#if !ATTN_WGMMA
+        float dp[NT_K][4];
         rows_times_t<NT_K>(dp, do_s, v_s + key0 * LD_HD, r0, g, t);
+#endif
         unscale<NT_K>(dp, s_do, s_v);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -625,6 +655,22 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
         ds_run.update(ds_bound_scale(s_do, s_v, scale));
         const float dk_ratio = ds_run.ratio * q_run.ratio;
         if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);
+#if ATTN_WGMMA
+        // dV^T += dO^T P, dK^T += Q^T dS and dQ = dS K: three independent chains in flight at once.
+        store_ds<NT_K, LD_P>(ds_s, dp, ds_run.s, r0, g, t, [] {});
+        {
+            float dq_acc[NT_HD][4];
+            wg_issue<NK, 1, 1>(dv_acc, do_s, ATTN_HEAD_DIM, p_s, LD_P, ATTN_BLOCK_Q / 16, true);
+            wg_issue<NK, 1, 1>(dk_acc, q_s, ATTN_HEAD_DIM, ds_s, LD_P, ATTN_BLOCK_Q / 16, true);
+            wg_issue<ATTN_HEAD_DIM, 0, 1>(dq_acc, ds_s, LD_P, k_s, ATTN_HEAD_DIM, NK / 16, false);
+            wg_wait();
+            pin_accumulators<NK>(dv_acc);
+            pin_accumulators<NK>(dk_acc);
+            pin_accumulators<ATTN_HEAD_DIM>(dq_acc);
+            unscale<NT_HD>(dq_acc, ds_run.s, s_k);
+            store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+        }
+#else
         store_ds<NT_K, LD_P>(ds_s + key0, dp, ds_run.s, r0, g, t,
                              [&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO
         add_transposed(dk_acc, ds_s, q_s);  // dK += dS^T Q
@@ -635,11 +681,24 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             unscale<NT_HD>(dq_acc, ds_run.s, s_k);
             store_rows<NT_HD>(hs.dq + col0, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
+#endif
     }
     unscale<PER_WARP>(dk_acc, ds_run.s, q_run.s);
     unscale<PER_WARP>(dv_acc, P_SCALE, do_run.s);
 
     // This chunk's dK and dV (rows past n_text are padding).
+#if ATTN_WGMMA
+#pragma unroll
+    for (int j = 0; j < PER_WARP; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = 8 * j + 2 * t + (i & 1), dim = 16 * warp + g + 8 * (i >> 1);
+            if (key < n_text) {
+                hs.dk[key * ld_kv + dim] = dk_acc[j][i];
+                hs.dv[key * ld_kv + dim] = dv_acc[j][i];
+            }
+        }
+#else
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j) {
         const int n0 = Tiles::col(j, warp, t);
@@ -652,6 +711,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             }
         }
     }
+#endif
 }
 #endif
 

@@ -34,6 +34,13 @@
 #ifndef ATTN_KEY_SPLIT
 #define ATTN_KEY_SPLIT 1
 #endif
+// ATTN_WGMMA = 1 (sm_90a, fp16 operands, the resident kernel with 64-row tiles): the products are
+// warpgroup MMAs (wgmma) on operand tiles stored as 8×8 core matrices (operand_offset).
+#ifndef ATTN_WGMMA
+#define ATTN_WGMMA 0
+#endif
+static_assert(!ATTN_WGMMA || (ATTN_HALF && ATTN_BLOCK_Q == 64 && ATTN_KEY_SPLIT == 1 && ATTN_HEAD_DIM == 64),
+              "wgmma: fp16 operands, one warpgroup of 64 query rows, head_dim 64");
 static_assert(!(ATTN_HALF && ATTN_SPLIT3), "the fp16 operands and the 3xTF32 split are two builds");
 
 #define ATTN_THREADS (ATTN_BLOCK_Q / 16 * 32 * ATTN_KEY_SPLIT)
@@ -43,7 +50,11 @@ constexpr int kUnrollK = ATTN_UNROLL_K;
 // reads (load_a, load_b_trans) are then 2-way conflicts (rows g and g + 4 share banks). No stride
 // serves both orders. fp16: rows of an odd number of 16-byte units, so the eight 16-byte rows
 // that ldmatrix reads at once fall in distinct banks.
+#if ATTN_WGMMA
+#define LD_HD ATTN_HEAD_DIM  // core matrices: no padding (the strides are wgmma's descriptors')
+#else
 #define LD_HD (ATTN_HEAD_DIM + 8)
+#endif
 #define LD_KV (ATTN_BLOCK_KV + 8)
 
 static_assert(ATTN_BLOCK_Q % 16 == 0, "a warp owns 16 query rows");
@@ -300,6 +311,111 @@ __device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld,
     b[1] = m[(n0 + g) * ld + k0 + t + 4];
 }
 
+// Element (row, col) of an operand tile with row stride ld (its columns, with ATTN_WGMMA): row-major, or
+// with ATTN_WGMMA in 8×8 core matrices of 128 contiguous bytes, core matrix (row / 8, col / 8) at
+// element (row / 8)·ld·8 + (col / 8)·64 (wgmma's no-swizzle layout; scripts/wgmma_probe.py).
+__device__ __forceinline__ int operand_offset(int row, int col, int ld) {
+#if ATTN_WGMMA
+    return (row >> 3) * ld * 8 + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
+#else
+    return row * ld + col;
+#endif
+}
+
+#if ATTN_WGMMA
+// ---- warpgroup MMA (sm_90a) ----
+// wgmma.mma_async m64nNk16 (fp16 operands, fp32 accumulators) with both operands in shared memory,
+// described by start address, LBO (bytes between core matrices adjacent along K) and SBO (along M
+// or N), no swizzle. The accumulators of warp w are rows 16w … 16w + 15 in mma.sync's m16n8 C
+// layout (c[n][0..3]: rows g, g + 8, columns 8n + 2t, + 1), so the code around the products is
+// the mma.sync kernel's. Checked on the H200 for every operand order (scripts/wgmma_probe.py).
+__device__ __forceinline__ unsigned long long wg_desc(const operand_t* tile, unsigned byte_offset, unsigned lbo,
+                                                      unsigned sbo) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(tile)) + byte_offset;
+    return ((address & 0x3ffff) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(sbo >> 4) << 32);
+}
+
+#define WG_REGS_8(a, b, c, d, e, f, g, h) "%" #a ", %" #b ", %" #c ", %" #d ", %" #e ", %" #f ", %" #g ", %" #h
+#define WG_REGS_16 WG_REGS_8(0, 1, 2, 3, 4, 5, 6, 7) ", " WG_REGS_8(8, 9, 10, 11, 12, 13, 14, 15)
+#define WG_REGS_32 WG_REGS_16 ", " WG_REGS_8(16, 17, 18, 19, 20, 21, 22, 23) ", " WG_REGS_8(24, 25, 26, 27, 28, 29, 30, 31)
+#define WG_OUT_2(n) "+f"(c[n][0]), "+f"(c[n][1]), "+f"(c[n][2]), "+f"(c[n][3]), "+f"(c[n + 1][0]), "+f"(c[n + 1][1]), \
+                    "+f"(c[n + 1][2]), "+f"(c[n + 1][3])
+
+// c (+)= A·B^T for one k step; N/2 accumulators a thread. TA, TB: the operand's tile holds it
+// transposed (K along its rows).
+template <int N> struct Wgmma;
+#define WGMMA_N(N, REGS, A, B, P, TA, TB, ...)                                                                    \
+    template <> struct Wgmma<N> {                                                                                 \
+        template <int TRANS_A, int TRANS_B>                                                                       \
+        __device__ __forceinline__ static void mma(float (&c)[N / 8][4], unsigned long long da,                   \
+                                                   unsigned long long db, int accumulate) {                       \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, %" #A ", %" #B      \
+                         ", p, 1, 1, %" #TA ", %" #TB ";\n}\n"                                                    \
+                         : __VA_ARGS__                                                                            \
+                         : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));                       \
+        }                                                                                                         \
+    };
+WGMMA_N(16, WG_REGS_8(0, 1, 2, 3, 4, 5, 6, 7), 8, 9, 10, 11, 12, WG_OUT_2(0))
+WGMMA_N(32, WG_REGS_16, 16, 17, 18, 19, 20, WG_OUT_2(0), WG_OUT_2(2))
+WGMMA_N(48, WG_REGS_16 ", " WG_REGS_8(16, 17, 18, 19, 20, 21, 22, 23), 24, 25, 26, 27, 28, WG_OUT_2(0), WG_OUT_2(2),
+        WG_OUT_2(4))
+WGMMA_N(64, WG_REGS_32, 32, 33, 34, 35, 36, WG_OUT_2(0), WG_OUT_2(2), WG_OUT_2(4), WG_OUT_2(6))
+WGMMA_N(80, WG_REGS_32 ", " WG_REGS_8(32, 33, 34, 35, 36, 37, 38, 39), 40, 41, 42, 43, 44, WG_OUT_2(0), WG_OUT_2(2), WG_OUT_2(4), WG_OUT_2(6),
+        WG_OUT_2(8))
+
+// The accumulators' writes stay before the chain's fence and their reads after its wait: the asm
+// statements around the chain name no registers, so without this the compiler may move them.
+template <int N>
+__device__ __forceinline__ void pin_accumulators(float (&c)[N / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(c[n][i])::"memory");
+}
+
+// c (+)= A·B^T for the block's 64 rows (one warpgroup: every thread calls it), K = 16·k_steps:
+// A (64 × K) from tile a with a_cols columns ([64][K], or with TA [K][64]), B (N × K) from tile b
+// ([N][K], or with TB [K][N]). The tiles' stores must be behind fence_operands() and a barrier.
+// wg_issue starts the chain (one commit group); c is ready, and the tiles read, after wg_wait.
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wg_issue(float (&c)[N / 8][4], const operand_t* a, int a_cols, const operand_t* b,
+                                         int b_cols, int k_steps, bool accumulate) {
+    // (LBO, SBO) of a tile: K along its columns, or (transposed) along its rows; a k step is 2 LBO.
+    const unsigned a_lbo = TA ? a_cols * 16 : 128, a_sbo = TA ? 128 : a_cols * 16;
+    const unsigned b_lbo = TB ? b_cols * 16 : 128, b_sbo = TB ? 128 : b_cols * 16;
+    pin_accumulators<N>(c);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < k_steps; ++k)
+        Wgmma<N>::template mma<TA, TB>(c, wg_desc(a, k * 2 * a_lbo, a_lbo, a_sbo),
+                                       wg_desc(b, k * 2 * b_lbo, b_lbo, b_sbo), accumulate || k > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Wait for every chain issued so far; pin_accumulators on each of their accumulators after it.
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// One chain, issued and waited for.
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wg_product(float (&c)[N / 8][4], const operand_t* a, int a_cols, const operand_t* b,
+                                           int b_cols, int k_steps, bool accumulate) {
+    wg_issue<N, TA, TB>(c, a, a_cols, b, b_cols, k_steps, accumulate);
+    wg_wait();
+    pin_accumulators<N>(c);
+}
+
+#endif
+
+// With ATTN_WGMMA: make this thread's shared-memory stores visible to wgmma (the async proxy) before
+// the barrier that follows.
+__device__ __forceinline__ void fence_operands() {
+#if ATTN_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns on their way into shared memory:
 // load() reads them from global memory into registers, adding a bias (may be null), with rows at
 // or past n_valid as zeros so padded rows contribute nothing, and their largest finite |x|;
@@ -307,19 +423,28 @@ __device__ __forceinline__ void load_b_trans(float b[2], const float* m, int ld,
 // store: one global-memory latency per tile (two tiles loaded before either is stored share one).
 // Warp w takes rows [w·ROWS/warps, (w + 1)·ROWS/warps): a query tile's 16 rows of each warp (without
 // a key split) are the warp's own, which it alone reads until the tile's products over all rows.
+// With ATTN_WGMMA, warp w takes columns [16w, 16w + 16) of every row instead: each store instruction
+// then writes two whole core matrices (8 rows × 8 columns, 256 contiguous bytes), with no bank
+// conflict (rows by warp spread a warp's stores over 8 core matrices at one offset: 8-way).
 template <int ROWS>
 struct TileIn {
+#if ATTN_WGMMA
+    static constexpr int PER_THREAD = ROWS / 8;
+    static_assert(ROWS % 8 == 0 && ATTN_THREADS == 128 && ATTN_HEAD_DIM == 64, "16 columns a warp, 8 rows a pass");
+    __device__ __forceinline__ static int col() { return threadIdx.x / 32 * 16 + threadIdx.x % 4 * 4; }
+    __device__ __forceinline__ static int row(int j) { return j * 8 + threadIdx.x % 32 / 4; }
+#else
     static constexpr int VEC_PER_ROW = ATTN_HEAD_DIM / 4, WARP_ROWS = ROWS / (ATTN_THREADS / 32);
     static constexpr int PER_THREAD = WARP_ROWS * VEC_PER_ROW / 32;
     static_assert(32 % VEC_PER_ROW == 0 && WARP_ROWS * (ATTN_THREADS / 32) == ROWS &&
                   PER_THREAD * 32 == WARP_ROWS * VEC_PER_ROW, "whole rows per warp, whole passes per row");
-    float4 v[PER_THREAD];
-    float amax;
-
     __device__ __forceinline__ static int col() { return (threadIdx.x % VEC_PER_ROW) * 4; }
     __device__ __forceinline__ static int row(int j) {
         return threadIdx.x / 32 * WARP_ROWS + threadIdx.x % 32 / VEC_PER_ROW + j * (32 / VEC_PER_ROW);
     }
+#endif
+    float4 v[PER_THREAD];
+    float amax;
 
     __device__ __forceinline__ void load(const float* __restrict__ src, long long ld_src, int row0, int n_valid,
                                          const float* __restrict__ bias) {
@@ -342,7 +467,7 @@ struct TileIn {
 
     __device__ __forceinline__ void store(operand_t* dst, float s) const {
 #pragma unroll
-        for (int j = 0; j < PER_THREAD; ++j) store_quad(dst + row(j) * LD_HD + col(), v[j], s);
+        for (int j = 0; j < PER_THREAD; ++j) store_quad(dst + operand_offset(row(j), col(), LD_HD), v[j], s);
     }
 };
 
@@ -443,11 +568,16 @@ __device__ __forceinline__ void rows_products(float hi[NT][4], float lo[NT][4], 
 template <int NT>
 __device__ __forceinline__ void rows_times_t(float c[NT][4], const operand_t* a_s, const operand_t* b_s, int r0,
                                              int g, int t) {
+#if ATTN_WGMMA  // the warpgroup's 64 rows at once (r0 = 16·warp): B's tile rows run along N
+    wg_product<NT * 8, 0, 0>(*reinterpret_cast<float (*)[NT][4]>(c), a_s, ATTN_HEAD_DIM, b_s, ATTN_HEAD_DIM,
+                             ATTN_HEAD_DIM / 16, false);
+#else
     float c_lo[NT][4];
     zero<NT>(c);
     zero<NT>(c_lo);
     rows_products<NT, ATTN_HEAD_DIM, true>(c, c_lo, a_s, LD_HD, b_s, r0, g, t);
     fold<NT>(c, c_lo);
+#endif
 }
 
 // acc += the products that products(hi, lo) issues through mma(hi[n], lo[n], …): in TF32 they
@@ -472,17 +602,19 @@ __device__ __forceinline__ void accumulate(float (&acc)[NT][4], Products product
 template <int K, int NT = ATTN_HEAD_DIM / 8>
 __device__ __forceinline__ void rows_times_add(float (&acc)[NT][4], const operand_t* p_s, int ld_p,
                                                const operand_t* b_s, int r0, int g, int t) {
+#if ATTN_WGMMA  // the warpgroup's 64 rows at once (r0 = 16·warp): B's tile rows run along K
+    wg_product<NT * 8, 0, 1>(acc, p_s, ld_p, b_s, ATTN_HEAD_DIM, K / 16, true);
+#else
     accumulate<NT>(acc, [&](float (&hi)[NT][4], float (&lo)[NT][4]) {
         rows_products<NT, K, false>(hi, lo, p_s, ld_p, b_s, r0, g, t);
     });
+#endif
 }
 
 // S for NT·8 keys from kv0, scaled to log2 units (scale_log2 includes 1 / the operand scales),
 // keys past n_text masked to −inf.
 template <int NT>
-__device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s, const operand_t* k_s, int r0,
-                                           int kv0, int n_text, float scale_log2, int g, int t) {
-    rows_times_t<NT>(s, q_s, k_s, r0, g, t);
+__device__ __forceinline__ void mask_scores(float s[NT][4], int kv0, int n_text, float scale_log2, int t) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int col = kv0 + n * 8 + 2 * t;
@@ -493,6 +625,12 @@ __device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s,
         }
     }
 }
+template <int NT>
+__device__ __forceinline__ void score_tile(float s[NT][4], const operand_t* q_s, const operand_t* k_s, int r0,
+                                           int kv0, int n_text, float scale_log2, int g, int t) {
+    rows_times_t<NT>(s, q_s, k_s, r0, g, t);
+    mask_scores<NT>(s, kv0, n_text, scale_log2, t);
+}
 
 // Store a warp's 16-row accumulator tile (C layout) times s to shared memory, as mma operands.
 template <int NT>
@@ -500,8 +638,8 @@ __device__ __forceinline__ void store_acc(operand_t* m, int ld, int r0, const fl
                                           int t) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        store_pair(m + (r0 + g) * ld + n * 8 + 2 * t, c[n][0], c[n][1], s);
-        store_pair(m + (r0 + g + 8) * ld + n * 8 + 2 * t, c[n][2], c[n][3], s);
+        store_pair(m + operand_offset(r0 + g, n * 8 + 2 * t, ld), c[n][0], c[n][1], s);
+        store_pair(m + operand_offset(r0 + g + 8, n * 8 + 2 * t, ld), c[n][2], c[n][3], s);
     }
 }
 
@@ -622,5 +760,6 @@ __device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, i
         *reinterpret_cast<float2*>(dst + (long long)row * ld + col) = make_float2(x0, x1);
     });
 }
+
 
 }  // namespace

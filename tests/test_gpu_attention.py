@@ -13,14 +13,16 @@ TOLERANCE = {"tf32": 5e-3, "fp16": 5e-3, "fp32": 2e-5}
 
 @pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("fp16", "half"),
                                                  ("fp32", "rows")])
-@pytest.mark.parametrize("resident_rows", [64, 128])
+@pytest.mark.parametrize("resident_rows, wgmma", [(64, True), (64, False), (128, False)])  # wgmma: sm_90 only
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
     (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
-    (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1)])
-def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, o_layout, resident_rows,
+    (2, 130, attention_bwd.RESIDENT_MAX_KEYS), (2, 130, attention_bwd.RESIDENT_MAX_KEYS + 1),
+    (4, 512, 1), (4, 512, 31), (4, 512, 40), (4, 512, 50)])  # grids of 256 blocks: wgmma with 16 to 64 keys
+def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precision, o_layout, resident_rows, wgmma,
                                             monkeypatch):
     import cupy
     monkeypatch.setattr(attention_bwd, "RESIDENT_BLOCK_Q", resident_rows)
+    monkeypatch.setattr(attention_bwd, "WGMMA", wgmma)
     heads, hidden = 16, 1024
     rng = numpy.random.default_rng(n_video * 1000 + n_text)
     q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)

@@ -44,6 +44,16 @@ def test_attention_kernel_variants_compile(defines, arch):
     assert (b"attn_bwd_resident" in cubin) == resident and (b"\x00attn_bwd\x00" in cubin) != resident
 
 
+@pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 48, "ATTN_O_TRANSPOSED": 1},
+                                     {"ATTN_KEYS": 80, "ATTN_O_HALF": 1}])
+def test_wgmma_attention_compiles_for_sm_90a(defines):
+    # ATTN_WGMMA: the resident kernel's products as warpgroup MMAs, which only sm_90a has.
+    defines = dict(defines, ATTN_HALF=1, ATTN_WGMMA=1, ATTN_RESIDENT_MIN_BLOCKS=2)
+    assert b"attn_bwd_resident" in kernels.compile_cubin("attention_bwd.cu", "sm_90a", defines)
+    with pytest.raises(kernels.CompileError):
+        kernels.compile_cubin("attention_bwd.cu", "sm_90", defines)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_transpose_of_floats_compiles(arch):  # TR_VEC = 1: shapes whose rows are not float4s
     cubin = kernels.compile_cubin("transpose.cu", arch, {"TR_VEC": 1})
@@ -228,3 +238,23 @@ def test_an_unwritable_cache_compiles_without_it(probe_dir, tmp_path, monkeypatc
     kernel.max_dynamic_shared_size_bytes  # a RawKernel, with its attributes  # noqa: B018
     kernel((1,), (128,), (x, y, numpy.int32(x.size)))
     cupy.testing.assert_allclose(y, 2 * x + 1.25)
+
+
+def test_sm_90a_cubins_are_cached_on_disk_by_source_target_and_compiler(tmp_path, monkeypatch):
+    # get_kernel(..., arch="sm_90a") compiles here (CuPy would build for the device's sm_90) and keeps
+    # the cubin in CuPy's cache folder: the second process loads it instead of compiling again.
+    import types
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    compiled, loaded = [], []
+    monkeypatch.setattr(kernels, "compile_cubin", lambda f, arch, defines=None: compiled.append(arch) or b"cubin")
+    fake_cupy = types.SimpleNamespace(RawModule=lambda path: loaded.append(path) or types.SimpleNamespace(module=1))
+    monkeypatch.setattr(kernels, "import_cupy", lambda: fake_cupy)
+    defines = {"ATTN_HALF": 1, "ATTN_WGMMA": 1, "ATTN_KEYS": 80}
+    path = kernels.cubin_cache_path("attention_bwd.cu", "sm_90a", defines)
+    assert path.parent == tmp_path / "cache"
+    assert path != kernels.cubin_cache_path("attention_bwd.cu", "sm_90a", dict(defines, ATTN_KEYS=64))
+    assert path != kernels.cubin_cache_path("attention_bwd.cu", "sm_100a", defines)
+    for _ in range(2):
+        kernels._module_from_cached_cubin("attention_bwd.cu", "sm_90a", defines)
+    assert compiled == ["sm_90a"] and loaded == [str(path)] * 2 and path.read_bytes() == b"cubin"
+    assert list(path.parent.iterdir()) == [path]  # no partial file left behind

@@ -163,6 +163,7 @@ def gpu(monkeypatch):
     class Device:
         def __init__(self, device=None):
             self.id = log.device if device is None else device
+            self.compute_capability = "90"  # an H200: the resident attention on wgmma
 
         def __enter__(self):
             return self
@@ -223,7 +224,8 @@ def gpu(monkeypatch):
                 raise _cublas.CublasError("failed on purpose")
             log.append(("gemm", args[-2], self.stream.ptr))  # batch count, stream
 
-    monkeypatch.setattr(kernels, "get_kernel", lambda filename, name, defines=None: FakeKernel(filename, name))
+    monkeypatch.setattr(kernels, "get_kernel",
+                        lambda filename, name, defines=None, arch=None: FakeKernel(filename, name))
     monkeypatch.setattr(backward._cublas, "Handle", FakeHandle)
     monkeypatch.setattr(plans, "_cache", type(plans._cache)())
     log.null = null
@@ -888,6 +890,20 @@ def test_query_chunks_cover_every_tile_once(batch, heads, n_video, blocks_per_sm
     assert (n_chunks - 1) * tiles < n_tiles <= n_chunks * tiles  # no chunk empty, none past the last tile
     if batch * heads >= blocks_per_sm * sm_count:
         assert n_chunks == 1
+
+
+@pytest.mark.parametrize("shape, precision, capability, wgmma", [
+    ((64, 128, 77), "fp16", "90", True), ((2, 691, 77), "tf32", "90", True),
+    ((64, 128, 77), "fp16", "80", False), ((64, 128, 77), "fp32", "90", False),  # sm_80; fp32 operands
+    ((2, 256, 77), "fp16", "90", False), ((8, 256, 373), "fp16", "90", False)])  # keys split; streamed
+def test_the_resident_kernel_runs_on_wgmma_on_sm_90_with_fp16_operands(shape, precision, capability, wgmma):
+    from cupy_xattn import attention_bwd
+    from cupy_xattn.checks import Problem
+    layout = attention_bwd.launch_layout(Problem(*shape, 1024, 16, 64, 0.125), precision, 132)
+    assert attention_bwd.uses_wgmma(layout, precision, capability) == wgmma
+    if wgmma:  # unpadded core-matrix tiles: K, V [80][64], Q, dO [64][64], P, dS [64][80], fp16
+        smem = attention_bwd.kernel_choice(shape[2], precision, 64, 1, wgmma=True)[3]
+        assert smem == 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80)
 
 
 def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
