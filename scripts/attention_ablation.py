@@ -5,11 +5,15 @@ wrong; only the kernel's time means anything):
   loads   every tile load reads the head's first rows (hits in L2/L1): the global-load latency
   exp     the softmax without exp2f
   stores  the dQ and O stores behind a condition that never holds (their products stay)
+  dq      the dQ stores alone behind that condition
+  stores_l2  the dQ and O stores kept, to 16 rows per sample and head that stay in L2 (their instructions
+          without their DRAM writes)
   barriers  the block barriers of the operand scales and of dS (tiles read half written)
   scales  the products not divided by their operands' scales (unscale a no-op)
 
 Usage:  python3 scripts/attention_ablation.py make .scratch/ab        (here: base and one tree each)
-        python3 scripts/attention_ablation.py run .scratch/ab          (on the GPU: per-kernel traces)
+        python3 scripts/attention_ablation.py run .scratch/ab [TREE ...]   (on the GPU: per-kernel traces;
+                                                                          base and the named trees, or all)
 The trees must travel to the device with the checkout (the device tool's carry).
 """
 import argparse
@@ -26,6 +30,9 @@ ABLATIONS = {
     "exp": [(BWD, "p[n][i] = exp2f(p[n][i] - base);", "p[n][i] = p[n][i] - base;")],
     "stores": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,"),
                (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],
+    "dq": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,")],
+    "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)", "<float2*>(dst + (long long)(row & 15) * ld + col)"),
+                  (BWD, "<uint2*>(o + (long long)row * ld + n * 8", "<uint2*>(o + (long long)(row & 15) * ld + n * 8")],
     "barriers": [(COMMON, "    if (ATTN_HALF) __syncthreads();\n    run_a.update", "    run_a.update"),
                  (BWD, "    __syncthreads();  // all rows of dS (and of P) are in shared memory\n", "")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
@@ -47,8 +54,10 @@ def make(folder):
     print(f"trees in {folder}: base, {', '.join(ABLATIONS)}")
 
 
-def run(folder):
-    for name in ("base", *ABLATIONS):
+def run(folder, names):
+    if set(names) - set(ABLATIONS):
+        raise SystemExit(f"no such trees: {sorted(set(names) - set(ABLATIONS))}; there are {', '.join(ABLATIONS)}")
+    for name in ("base", *(names or ABLATIONS)):
         for shape, precision in SHAPES:
             print(f"== {name} {shape} {precision}", flush=True)
             result = subprocess.run([sys.executable, "scripts/graph_kernels.py", shape, precision, "--trace",
@@ -63,8 +72,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("make", "run"))
     parser.add_argument("folder", type=pathlib.Path)
+    parser.add_argument("trees", nargs="*", help="run: these trees beside base (all if none)")
     args = parser.parse_args()
-    (make if args.action == "make" else run)(args.folder)
+    make(args.folder) if args.action == "make" else run(args.folder, args.trees)
 
 
 if __name__ == "__main__":
