@@ -6,8 +6,8 @@ wrong; only the kernel's time means anything):
   exp     the softmax without exp2f
   stores  the dQ and O stores behind a condition that never holds (their products stay)
   dq      the dQ stores alone behind that condition
-  stores_l2  the dQ and O stores kept, to 16 rows per sample and head that stay in L2 (their instructions
-          without their DRAM writes)
+  stores_l2  the dQ and O (or O^T) stores kept, to 16 rows per sample and head that stay in L2
+          (their instructions without their DRAM writes)
   barriers  the block barriers of the operand scales and of dS (tiles read half written)
   scales  the products not divided by their operands' scales (unscale a no-op)
 
@@ -31,13 +31,16 @@ ABLATIONS = {
     "stores": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,"),
                (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],
     "dq": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,")],
-    "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)", "<float2*>(dst + (long long)(row & 15) * ld + col)"),
-                  (BWD, "<uint2*>(o + (long long)row * ld + n * 8", "<uint2*>(o + (long long)(row & 15) * ld + n * 8")],
+    "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)",
+                   "<float2*>(dst + (long long)(row & 15) * ld + col)"),
+                  (BWD, "<uint2*>(o + (long long)row * ld + n * 8", "<uint2*>(o + (long long)(row & 15) * ld + n * 8"),
+                  (BWD, "o[(long long)col * ld + row] = x0;", "o[(long long)col * ld + (row & 15)] = x0;"),
+                  (BWD, "o[(long long)(col + 1) * ld + row] = x1;", "o[(long long)(col + 1) * ld + (row & 15)] = x1;")],
     "barriers": [(COMMON, "    if (ATTN_HALF) __syncthreads();\n    run_a.update", "    run_a.update"),
                  (BWD, "    __syncthreads();  // all rows of dS (and of P) are in shared memory\n", "")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
 }
-SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"))  # the kernel is the same in tf32
+SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"), ("64x128x77", "tf32"))  # tf32: O^T in fp32
 
 
 def make(folder):
