@@ -24,13 +24,17 @@ import sys
 
 BWD, COMMON = "kernels_cu/attention_bwd.cu", "kernels_cu/attention_common.cuh"
 # name: [(file, text, replacement)]; each text occurs once in the kernel sources (tests/test_scripts.py).
+# The resident kernel has a wgmma path (sm_90: the one timed on the H200) and an mma.sync path: an edit
+# of one path's line needs its twin in the other (Session 15's first dq tree missed the wgmma one).
 ABLATIONS = {
     "loads": [(COMMON, "src + (long long)(row0 + row(j)) * ld_src + col()",
                "src + (long long)row(j) * ld_src + col()")],
     "exp": [(BWD, "p[n][i] = exp2f(p[n][i] - base);", "p[n][i] = p[n][i] - base;")],
     "stores": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,"),
+               (BWD, "store_rows<NT_HD>(hs.dq, hidden,", "if (n_video < 0) store_rows<NT_HD>(hs.dq, hidden,"),
                (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],
-    "dq": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,")],
+    "dq": [(BWD, "store_rows<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_rows<NT_HD>(hs.dq + col0,"),
+           (BWD, "store_rows<NT_HD>(hs.dq, hidden,", "if (n_video < 0) store_rows<NT_HD>(hs.dq, hidden,")],
     "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)",
                    "<float2*>(dst + (long long)(row & 15) * ld + col)"),
                   (BWD, "<uint2*>(o + (long long)row * ld + n * 8", "<uint2*>(o + (long long)(row & 15) * ld + n * 8"),
