@@ -8,6 +8,8 @@ wrong; only the kernel's time means anything):
   dq      the dQ stores alone behind that condition
   stores_l2  the dQ and O (or O^T) stores kept, to 16 rows per sample and head that stay in L2
           (their instructions without their DRAM writes)
+  o_late  the wgmma path's O stores moved to the tile's end, after dQ's (dQ's values: the same
+          bytes and pattern, wrong values): whether the O stores cost by where they stand
   barriers  the block barriers of the operand scales and of dS (tiles read half written)
   scales  the products not divided by their operands' scales (unscale a no-op)
 
@@ -40,6 +42,11 @@ ABLATIONS = {
                   (BWD, "<uint2*>(o + (long long)row * ld + n * 8", "<uint2*>(o + (long long)(row & 15) * ld + n * 8"),
                   (BWD, "o[(long long)col * ld + row] = x0;", "o[(long long)col * ld + (row & 15)] = x0;"),
                   (BWD, "o[(long long)(col + 1) * ld + row] = x1;", "o[(long long)(col + 1) * ld + (row & 15)] = x1;")],
+    "o_late": [(BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o"),
+               (BWD, "store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);",
+                "store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
+                "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
+                "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));")],
     "barriers": [(COMMON, "    if (ATTN_HALF) __syncthreads();\n    run_a.update", "    run_a.update"),
                  (BWD, "    __syncthreads();  // all rows of dS (and of P) are in shared memory\n", "")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],

@@ -71,12 +71,12 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
     assert cubin[:4] == b"\x7fELF" and b"bench" in cubin and b"probe_11" in cubin
 
 
-@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "barriers", "scales"])
+@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "barriers", "scales"])
 def test_attention_ablations_find_their_lines_in_the_kernels(name):
     # Each ablation rewrites lines of the kernels: one that moved or changed would leave the tree
     # the same as the base, and the device call that times them would measure nothing.
     ablation = _script("attention_ablation")
     root = Path(__file__).resolve().parent.parent
-    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "barriers", "scales"}
+    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "o_late", "barriers", "scales"}
     for file, text, _ in ablation.ABLATIONS[name]:
         assert (root / file).read_text().count(text) == 1
