@@ -220,11 +220,13 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
                                         float s_o) {
 #if ATTN_O_HALF
     // A quad's pieces of a row in column block n are 16 bytes, half a 32-byte sector: stored as
-    // they are, they cost the fp16 64x128x77 kernel ~5 µs more than whole sectors (Session 15).
-    // So two shuffles give lane t the 8-byte slot t of blocks n and n + 1 together, a whole sector
-    // per quad: its own block's pieces 2t, 2t + 1 for t < 2, else block n + 1's pieces 2t − 4, 2t − 3.
+    // they are, they cost the fp16 64x128x77 kernel 2.4 µs more than whole sectors (Session 15's
+    // A/B, 107.6 → 105.2 µs). So two shuffles give lane t the 8-byte slot t of blocks n and n + 1
+    // together, a whole sector per quad: pieces 2t, 2t + 1 of block n for t < 2, else pieces
+    // 2t − 4, 2t − 3 of block n + 1. Lane t reads `first` from lane src = 0, 2, 1, 3 (t = 0…3),
+    // `second` from src ^ 1.
     static_assert(NT % 2 == 0, "fp16 O: column blocks in pairs");
-    const int src = ((t & 1) << 1) | (t >> 1);  // the lane whose piece t of the pair lane t takes first
+    const int src = ((t & 1) << 1) | (t >> 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + g + 8 * h;

@@ -564,20 +564,16 @@ __device__ __forceinline__ void rows_products(float hi[NT][4], float lo[NT][4], 
 }
 
 // c = A B^T for this warp's 16 rows of A (a_s) and the first NT·8 rows of B (b_s), both
-// row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T.
+// row-major [rows][head_dim] in shared memory: S = Q K^T and dP = dO V^T (the mma.sync builds; the
+// wgmma kernel issues both itself, together).
 template <int NT>
 __device__ __forceinline__ void rows_times_t(float c[NT][4], const operand_t* a_s, const operand_t* b_s, int r0,
                                              int g, int t) {
-#if ATTN_WGMMA  // the warpgroup's 64 rows at once (r0 = 16·warp): B's tile rows run along N
-    wg_product<NT * 8, 0, 0>(*reinterpret_cast<float (*)[NT][4]>(c), a_s, ATTN_HEAD_DIM, b_s, ATTN_HEAD_DIM,
-                             ATTN_HEAD_DIM / 16, false);
-#else
     float c_lo[NT][4];
     zero<NT>(c);
     zero<NT>(c_lo);
     rows_products<NT, ATTN_HEAD_DIM, true>(c, c_lo, a_s, LD_HD, b_s, r0, g, t);
     fold<NT>(c, c_lo);
-#endif
 }
 
 // acc += the products that products(hi, lo) issues through mma(hi[n], lo[n], …): in TF32 they
@@ -760,6 +756,5 @@ __device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, i
         *reinterpret_cast<float2*>(dst + (long long)row * ld + col) = make_float2(x0, x1);
     });
 }
-
 
 }  // namespace

@@ -9,13 +9,14 @@ wrong; only the kernel's time means anything):
   stores_l2  the dQ and O (or O^T) stores kept, to 16 rows per sample and head that stay in L2
           (their instructions without their DRAM writes)
   o_late  the wgmma path's O stores moved to the tile's end, after dQ's (dQ's values: the same
-          bytes and pattern, wrong values): whether the O stores cost by where they stand
-  barriers  the block barriers of the operand scales and of dS (tiles read half written)
+          bytes and pattern, wrong values): whether the O stores cost by where they stand (the
+          mma.sync path's O stores are only removed)
   scales  the products not divided by their operands' scales (unscale a no-op)
 
-Usage:  python3 scripts/attention_ablation.py make .scratch/ab        (here: base and one tree each)
-        python3 scripts/attention_ablation.py run .scratch/ab [TREE ...]   (on the GPU: per-kernel traces;
-                                                                          base and the named trees, or all)
+Usage:  python3 scripts/attention_ablation.py make .scratch/ab [TREE ...]  (here: base and the trees, or all)
+        python3 scripts/attention_ablation.py run .scratch/ab [TREE ...]   (on the GPU: per-kernel traces
+                                                                          of base and the trees, or all)
+(Session 15 also tried the scale and dS barriers taken out: not a timing-only change, it faulted.)
 The trees must travel to the device with the checkout (the device tool's carry).
 """
 import argparse
@@ -47,31 +48,43 @@ ABLATIONS = {
                 "store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
                 "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));")],
-    "barriers": [(COMMON, "    if (ATTN_HALF) __syncthreads();\n    run_a.update", "    run_a.update"),
-                 (BWD, "    __syncthreads();  // all rows of dS (and of P) are in shared memory\n", "")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
 }
 SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"), ("64x128x77", "tf32"))  # tf32: O^T in fp32
 
 
-def make(folder):
-    for name in ("base", *ABLATIONS):
+def trees(names):
+    """base and the named trees (all when none are named)."""
+    unknown = set(names) - set(ABLATIONS) - {"base"}
+    if unknown:
+        raise SystemExit(f"no such trees: {sorted(unknown)}; there are base, {', '.join(ABLATIONS)}")
+    return ["base", *(name for name in (names or ABLATIONS) if name != "base")]
+
+
+def edit(name, text_of):
+    """{file: its text in tree `name`}, from text_of(file) (the base's text) and the tree's edits."""
+    edited = {}
+    for file, text, replacement in ABLATIONS.get(name, []):
+        source = edited.get(file, text_of(file))
+        if source.count(text) != 1:
+            raise SystemExit(f"{name}: {text!r} is not once in {file}")
+        edited[file] = source.replace(text, replacement)
+    return edited
+
+
+def make(folder, names):
+    made = trees(names)
+    for name in made:
         tree = folder / name
         subprocess.run(f"rm -rf {tree} && mkdir -p {tree} && git archive HEAD | tar -x -C {tree}", shell=True,
                        check=True)
-        for file, text, replacement in ABLATIONS.get(name, []):
-            path = tree / file
-            source = path.read_text()
-            if source.count(text) != 1:
-                raise SystemExit(f"{name}: {text!r} is not once in {file}")
-            path.write_text(source.replace(text, replacement))
-    print(f"trees in {folder}: base, {', '.join(ABLATIONS)}")
+        for file, text in edit(name, lambda file: (tree / file).read_text()).items():
+            (tree / file).write_text(text)
+    print(f"trees in {folder}: {', '.join(made)}")
 
 
 def run(folder, names):
-    if set(names) - set(ABLATIONS):
-        raise SystemExit(f"no such trees: {sorted(set(names) - set(ABLATIONS))}; there are {', '.join(ABLATIONS)}")
-    for name in ("base", *(names or ABLATIONS)):
+    for name in trees(names):
         for shape, precision in SHAPES:
             print(f"== {name} {shape} {precision}", flush=True)
             result = subprocess.run([sys.executable, "scripts/graph_kernels.py", shape, precision, "--trace",
@@ -86,9 +99,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("make", "run"))
     parser.add_argument("folder", type=pathlib.Path)
-    parser.add_argument("trees", nargs="*", help="run: these trees beside base (all if none)")
+    parser.add_argument("trees", nargs="*", help="these trees beside base (all if none)")
     args = parser.parse_args()
-    make(args.folder) if args.action == "make" else run(args.folder, args.trees)
+    (make if args.action == "make" else run)(args.folder, args.trees)
 
 
 if __name__ == "__main__":

@@ -71,12 +71,42 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
     assert cubin[:4] == b"\x7fELF" and b"bench" in cubin and b"probe_11" in cubin
 
 
-@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "barriers", "scales"])
-def test_attention_ablations_find_their_lines_in_the_kernels(name):
-    # Each ablation rewrites lines of the kernels: one that moved or changed would leave the tree
-    # the same as the base, and the device call that times them would measure nothing.
+# The builds the ablations are timed in on the H200: the resident kernel on wgmma, fp16 O (fp16 mode)
+# and fp32 O^T (tf32 mode).
+_TIMED_BUILDS = [dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
+                      ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_O_TRANSPOSED=int(o_t), ATTN_O_HALF=int(not o_t),
+                      ATTN_WGMMA=1) for o_t in (False, True)]
+
+
+def _attention_ptx(folder, defines, monkeypatch):
+    """PTX (sm_90a) of attention_bwd.cu as the kernel sources in `folder` make it, with `defines`."""
+    from cupy_xattn import kernels
+    nvrtc = kernels._nvrtc()
+    if nvrtc is None:
+        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12)")
+    monkeypatch.setattr(kernels, "SOURCE_DIRS", (folder,))
+    program = nvrtc.createProgram(kernels._with_defines("attention_bwd.cu", defines), "attention_bwd.cu", (), ())
+    try:
+        nvrtc.compileProgram(program, kernels._nvrtc_options("sm_90a"))
+        return nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales"])
+def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path, monkeypatch):
+    # Each ablation rewrites lines of the kernels. An edit that no longer matches, or that lands in
+    # code the timed build does not compile (Session 15's first dq tree edited only the mma.sync
+    # path), would leave that tree the same as the base, and the device call would measure nothing.
+    import shutil
     ablation = _script("attention_ablation")
     root = Path(__file__).resolve().parent.parent
-    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "o_late", "barriers", "scales"}
-    for file, text, _ in ablation.ABLATIONS[name]:
-        assert (root / file).read_text().count(text) == 1
+    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales"}
+    for tree in ("base", name):
+        shutil.copytree(root / "kernels_cu", tmp_path / tree / "kernels_cu")
+    for file, text in ablation.edit(name, lambda file: (root / file).read_text()).items():
+        (tmp_path / name / file).write_text(text)
+    for defines in _TIMED_BUILDS:
+        base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
+        changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
+        assert changed, f"the {name} tree leaves the build {defines} as it is"
