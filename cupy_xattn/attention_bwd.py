@@ -73,10 +73,11 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
     p_ds_tiles = 2 if operand_bytes(precision) == 2 else 1  # P and dS, or dS over P
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
-        p_ds = rows * (_padded(keys, 32) + 8) * p_ds_tiles
-        smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
-        if wgmma:
+        if wgmma:  # fp16, unpadded: K, V, Q, dO, P, dS
             smem = 2 * (2 * keys * head_dim + 2 * rows * head_dim + 2 * rows * keys)
+        else:
+            p_ds = rows * (_padded(keys, 32) + 8) * p_ds_tiles
+            smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     p_ds = BLOCK_Q * (kv + 8) * p_ds_tiles

@@ -141,12 +141,17 @@ def _module_from_cached_cubin(filename, arch, defines):
 
 
 def _module_without_cache(filename, arch, defines):
-    """A RawModule of a cubin compiled here (loaded from a temporary file: a RawModule from a
-    path gives kernels with the same attributes as one from source)."""
+    """A RawModule of a cubin compiled here, not kept."""
+    return load_cubin(compile_cubin(filename, arch, defines), filename)
+
+
+def load_cubin(cubin, name):
+    """A loaded RawModule of ``cubin`` (bytes), through a temporary file ``name``.cubin: a RawModule
+    from a path gives kernels with the same attributes as one from source."""
     cupy = import_cupy()
     with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, filename + ".cubin")
-        Path(path).write_bytes(compile_cubin(filename, arch, defines))
+        path = os.path.join(folder, name + ".cubin")
+        Path(path).write_bytes(cubin)
         module = cupy.RawModule(path=path)
         module.module  # load it before the file goes  # noqa: B018
     return module
@@ -177,12 +182,18 @@ def compile_cubin(filename, arch, defines=None):
     return compile_source(_with_defines(filename, defines), filename, arch)
 
 
-def compile_source(source, filename, arch):
-    """``compile_cubin`` for a source string (``filename`` names it in the compiler's messages)."""
+def compile_ptx(filename, arch, defines=None):
+    """``compile_cubin``'s PTX (bytes): what the front end made of the source, before ptxas."""
+    return compile_source(_with_defines(filename, defines), filename, arch, ptx=True)
+
+
+def compile_source(source, filename, arch, ptx=False):
+    """``compile_cubin`` (or with ``ptx``, ``compile_ptx``) for a source string (``filename`` names it
+    in the compiler's messages)."""
     arch = str(arch) if str(arch).startswith("sm_") else f"sm_{arch}"
     nvrtc = _nvrtc()
     if nvrtc is None:
-        return _compile_with_nvcc(source, filename, arch)
+        return _compile_with_nvcc(source, filename, arch, ptx)
     options = _nvrtc_options(arch)
     program = nvrtc.createProgram(source, filename, (), ())
     try:
@@ -190,7 +201,7 @@ def compile_source(source, filename, arch):
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as exc:
             raise CompileError(f"{filename} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}") from None
-        return nvrtc.getCUBIN(program)
+        return nvrtc.getPTX(program) if ptx else nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
 
@@ -214,16 +225,17 @@ def _nvrtc():
     return nvrtc
 
 
-def _compile_with_nvcc(source, filename, arch):
+def _compile_with_nvcc(source, filename, arch, ptx=False):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise CompileError(f"cannot compile {filename}: neither NVRTC (pip install nvidia-cuda-nvrtc-cu12) "
                            "nor nvcc is available")
     with tempfile.TemporaryDirectory() as folder:
-        source_path, cubin_path = os.path.join(folder, filename), os.path.join(folder, "out.cubin")
+        source_path, out_path = os.path.join(folder, filename), os.path.join(folder, "out")
         Path(source_path).write_text(source)
-        command = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin_path, source_path]
+        command = [nvcc, "-ptx" if ptx else "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", out_path,
+                   source_path]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise CompileError(f"{filename} ({arch}): nvcc failed\n{done.stderr}")
-        return Path(cubin_path).read_bytes()
+        return Path(out_path).read_bytes()

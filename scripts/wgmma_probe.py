@@ -14,9 +14,7 @@ Usage (H200): PYTHONPATH=. python3 scripts/wgmma_probe.py [--swapped]      print
               PYTHONPATH=. python3 scripts/wgmma_probe.py --bench          TFLOP/s of back-to-back wgmmas
 """
 import itertools
-import os
 import sys
-import tempfile
 
 import numpy
 
@@ -133,14 +131,7 @@ PROBE(1, 1)
 
 def load_module(n):
     """The probe's kernels for a 64×n tile, compiled for sm_90a and loaded."""
-    import cupy
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "probe.cubin")
-        with open(path, "wb") as f:
-            f.write(kernels.compile_source(kernel_source(n), "wgmma_probe.cu", "sm_90a"))
-        module = cupy.RawModule(path=path)
-        module.module  # load before the file goes  # noqa: B018
-    return module
+    return kernels.load_cubin(kernels.compile_source(kernel_source(n), "wgmma_probe.cu", "sm_90a"), "wgmma_probe")
 
 
 def strides_for(rows, cols, transposed, swap):

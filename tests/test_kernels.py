@@ -115,6 +115,8 @@ def test_no_kernel_folder_is_an_error(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_80", "90", 90])
 def test_probe_compiles_with_defines(probe_dir, arch):
     assert kernels.compile_cubin("probe.cu", arch, {"PROBE_OFFSET": "1.5f"})[:4] == b"\x7fELF"
+    ptx = kernels.compile_ptx("probe.cu", arch, {"PROBE_OFFSET": "1.5f"})
+    assert b".entry probe_scale_f32" in ptx and b"0f3FC00000" in ptx  # 1.5f, as PTX spells it
 
 
 def test_cubins_flush_denormals_as_cupys_modules_do(probe_dir, monkeypatch):
@@ -140,6 +142,7 @@ def test_compile_error_carries_the_log(probe_dir):
 def test_nvcc_fallback(probe_dir, monkeypatch):
     monkeypatch.setattr(kernels, "_nvrtc", lambda: None)
     assert kernels.compile_cubin("probe.cu", "sm_80")[:4] == b"\x7fELF"
+    assert b".entry probe_scale_f32" in kernels.compile_ptx("probe.cu", "sm_80")
     with pytest.raises(kernels.CompileError, match="undeclared_thing"):
         kernels.compile_cubin("broken.cu", "sm_80")
 

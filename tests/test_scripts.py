@@ -74,23 +74,15 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
 # The builds the ablations are timed in on the H200: the resident kernel on wgmma, fp16 O (fp16 mode)
 # and fp32 O^T (tf32 mode).
 _TIMED_BUILDS = [dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
-                      ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_O_TRANSPOSED=int(o_t), ATTN_O_HALF=int(not o_t),
-                      ATTN_WGMMA=1) for o_t in (False, True)]
+                      ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_O_TRANSPOSED=int(o_t),
+                      ATTN_O_HALF=int(not o_t), ATTN_WGMMA=1) for o_t in (False, True)]
 
 
 def _attention_ptx(folder, defines, monkeypatch):
     """PTX (sm_90a) of attention_bwd.cu as the kernel sources in `folder` make it, with `defines`."""
     from cupy_xattn import kernels
-    nvrtc = kernels._nvrtc()
-    if nvrtc is None:
-        pytest.skip("needs NVRTC (pip install nvidia-cuda-nvrtc-cu12)")
     monkeypatch.setattr(kernels, "SOURCE_DIRS", (folder,))
-    program = nvrtc.createProgram(kernels._with_defines("attention_bwd.cu", defines), "attention_bwd.cu", (), ())
-    try:
-        nvrtc.compileProgram(program, kernels._nvrtc_options("sm_90a"))
-        return nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
+    return kernels.compile_ptx("attention_bwd.cu", "sm_90a", defines)
 
 
 @pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales"])
