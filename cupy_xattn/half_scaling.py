@@ -32,8 +32,8 @@ class HalfScaler:
 
     Per run, for each :meth:`group` of tensors: its ``copy`` and ``rescale`` launches (together
     ``y = half(x · s_slot)`` and, where asked, the remainder ``half(x · s_slot − y)``; ``rescale``
-    then updates the alphas; the groups' rescales share a counter, so they run in stream order, one
-    after the other). ``alpha(i, j)`` is the device address
+    then updates the alphas; the launches of all groups run in stream order, one after the other:
+    each reads the state the previous ones wrote). ``alpha(i, j)`` is the device address
     of ``1 / (s_i · s_j)``, the alpha that undoes the scaling of a GEMM of slots i and j. Nothing
     is read back to the host, so a run can be captured into a graph.
     """
@@ -44,17 +44,15 @@ class HalfScaler:
         cupy = import_cupy()
         self.n_slots = n_slots
         self._sm_count = sm_count
-        # One buffer: amax bits (zero between groups: half_rescale's last block clears them), inverse
-        # scales, the scales guessed for the next copies (the last ones found; 1 at first), n × n
-        # alphas, and half_rescale's count of finished blocks (zero between launches).
+        # One buffer, n entries per part (half_scaling.cu's ScalerState): two buffers of amax bits
+        # (zero at first: each copy clears the one its slot's next copy takes), inverse scales, the
+        # scales guessed for the next copies (the last ones found), the scales the last copies took
+        # (all 1 at first), the amax buffer each slot's next copy takes and the one its last copy
+        # took (0 at first), then the n × n alphas.
         n = n_slots
-        self._state = cupy.zeros(3 * n + n * n + 1, numpy.float32)
-        self._state[n:3 * n] = 1.0
-        self._amax_bits = self._state.data.ptr
-        self._inv_scale = self._state.data.ptr + 4 * n
-        self._guess = self._state.data.ptr + 8 * n
-        self._alpha = self._state.data.ptr + 12 * n
-        self._arrivals = self._alpha + 4 * n * n
+        self._state = cupy.zeros(7 * n + n * n, numpy.float32)
+        self._state[2 * n:5 * n] = 1.0
+        self._state[7 * n:] = 1.0
         self._copy = kernels.get_kernel(SOURCE, "half_copy_absmax")
         self._rescale = kernels.get_kernel(SOURCE, "half_rescale")
         self._groups = []  # keeps each group's metadata alive
@@ -92,20 +90,21 @@ class HalfScaler:
                           + [s // 4 for s in stride], numpy.int64)
         self._groups.append(meta)
         blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
-        args = (numpy.uint64(sources_address), meta, numpy.int32(n))
-        amax, guess = numpy.uint64(self._amax_bits), numpy.uint64(self._guess)
-        alphas = (numpy.uint64(self._alpha), numpy.int32(self.n_slots), numpy.uint64(self._arrivals))
-        return (lambda: self._copy((blocks, n), (_THREADS,), args + (amax, guess)),
-                lambda: self._rescale((2 * self._sm_count,), (_THREADS,),
-                                      args + (amax, numpy.uint64(self._inv_scale), guess) + alphas))
+        args = (numpy.uint64(sources_address), meta, numpy.int32(n), self._state, numpy.int32(self.n_slots))
+        return (lambda: self._copy((blocks, n), (_THREADS,), args),
+                lambda: self._rescale((2 * self._sm_count,), (_THREADS,), args))
 
     def inverse_scales(self):
         """1 / s of each slot as of the last ``rescale`` (a CuPy view, for checks and probes)."""
-        return self._state[self.n_slots:2 * self.n_slots]
+        return self._state[2 * self.n_slots:3 * self.n_slots]
+
+    def alphas(self):
+        """The n × n alphas as of the last ``rescale`` (a CuPy view, for checks and probes)."""
+        return self._state[7 * self.n_slots:].reshape(self.n_slots, self.n_slots)
 
     def inverse_scale(self, i):
         """Device address of 1 / s of slot i (float32)."""
-        return self._inv_scale + 4 * i
+        return self.inverse_scales().data.ptr + 4 * i
 
     def alpha(self, i, j):
-        return self._alpha + 4 * (i * self.n_slots + j)
+        return self.alphas().data.ptr + 4 * (i * self.n_slots + j)

@@ -16,11 +16,17 @@
 // rule rewrote such tensors every other run. Powers of two scale exactly, so the guess changes
 // only elements that land in fp16's subnormal range (below 2^-26 · max|x|; the fp32 mode's
 // remainders, below 2^-15 · max|x|) by their last bits; a tensor outside the window is written again.
-//   half_copy_absmax: y = half(x · guess[slot]); amax_bits[slot] = max(amax_bits[slot], bits(max|x|))
-//   half_rescale:     s = guess if within the window, else from amax_bits[slot]; inv_scale[slot] = 1/s;
-//                     if s ≠ guess, y = half(x · s);
-//                     then its last block to finish: alpha[i·n + j] = inv_scale[i] · inv_scale[j] for
-//                     all n slots, guess = 1/inv_scale and amax_bits zeroed, for the next group or run
+//   half_copy_absmax: y = half(x · guess[slot]); amax_bits[p][slot] = max(…, bits(max|x|)), with
+//                     p = parity[slot]; copied[slot] = guess[slot], copied_parity[slot] = p;
+//                     amax_bits[1 − p][slot] = 0 (the buffer that the slot's next copy takes)
+//   half_rescale:     s = copied if within the window, else from amax_bits[copied_parity][slot];
+//                     if s ≠ copied, y = half(x · s);
+//                     then its block 0: inv_scale[slot] = 1/s, guess[slot] = s, parity[slot] = 1 − p,
+//                     alpha[i·n + j] = inv_scale[i] · inv_scale[j] for all n slots
+// Each kernel reads only what an earlier kernel wrote: the rescale's blocks read what the copy
+// recorded, never what the rescale's block 0 writes, and the two amax buffers take turns, so the
+// copy can clear the one the rescale does not read. No block waits for another (a counter of
+// finished blocks, so that the last one wrote the state, took ~1.5 µs of the rescale's ~3.7).
 //
 // max|x| is taken over the finite elements (as unsigned float bits: non-negative floats order like
 // their bits), so an Inf or NaN does not set the scale of the rest; it is copied as Inf or NaN.
@@ -64,6 +70,23 @@ __device__ __forceinline__ float4* group_sums(const long long* meta, int n, int 
 }
 __device__ __forceinline__ int group_parts(const long long* meta, int n, int i) { return (int)meta[5 * n + i]; }
 __device__ __forceinline__ long long group_part4(const long long* meta, int n, int i) { return meta[6 * n + i]; }
+
+// The scaler's state (HalfScaler in half_scaling.py: one buffer, n_slots entries per part but alpha).
+struct ScalerState {
+    unsigned* amax_bits;      // [2][n_slots]: max|x| as float bits, the copy's buffer by parity
+    float* inv_scale;         // 1 / s after the last rescale
+    float* guess;             // the scale the next copy takes
+    float* copied;            // the scale the last copy took
+    unsigned* parity;         // the amax buffer the next copy takes
+    unsigned* copied_parity;  // the one the last copy took
+    float* alpha;             // [n_slots][n_slots]: inv_scale[i] · inv_scale[j]
+};
+
+__device__ __forceinline__ ScalerState scaler_state(float* state, int n_slots) {
+    return {reinterpret_cast<unsigned*>(state), state + 2 * n_slots, state + 3 * n_slots, state + 4 * n_slots,
+            reinterpret_cast<unsigned*>(state + 5 * n_slots), reinterpret_cast<unsigned*>(state + 6 * n_slots),
+            state + 7 * n_slots};
+}
 
 // The scale of a slot whose max|x| has bits amax_bits, after a copy at scale `guess`: the guess
 // while it puts max|x| within the window above, else 2^(HALF_TARGET_EXP − e) (1 with no finite
@@ -147,9 +170,17 @@ __device__ __forceinline__ void for_each_quad(const float4* src, int parts, long
 
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-                 unsigned* __restrict__ amax_bits, const float* __restrict__ guess) {
+                 float* __restrict__ state, int n_slots) {
+    const ScalerState st = scaler_state(state, n_slots);
     const int i = blockIdx.y;
-    const float s = guess[group_slot(meta, n, i)];
+    const int slot = group_slot(meta, n, i);
+    const float s = st.guess[slot];
+    const unsigned p = st.parity[slot];
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // tensors sharing a slot write the same values
+        st.copied[slot] = s;
+        st.copied_parity[slot] = p;
+        st.amax_bits[(1 - p) * n_slots + slot] = 0u;  // read by the previous run's rescale, unused in this one
+    }
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
     uint2* lo = group_lo(meta, n, i);
@@ -173,36 +204,29 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
-        atomicMax(amax_bits + group_slot(meta, n, i), bits);  // max is order-independent: deterministic
+        atomicMax(st.amax_bits + p * n_slots + slot, bits);  // max is order-independent: deterministic
     }
 }
 
 // half_rescale runs two blocks per SM, each taking its share of every tensor whose scale changed:
 // when the guesses stand (every run after the first, unless a tensor's max leaves the window of the
-// run that set its scale) its blocks only check and leave; a block per 1024 elements of each tensor
-// took ~2.7 µs for that, and the alphas kernel it replaces another ~1.5 with its gap. The alphas
-// come from the last block to finish, counted in `arrivals` (zero between launches: that block
-// resets it; one counter per scaler, so its groups' rescales run in stream order): every block
-// read amax_bits, guess and inv_scale before counting itself, so the last one may write them,
-// from what it read itself (no read after the count: a block's reads are one round, ~0.5 µs).
+// run that set its scale) its blocks only check and leave, and block 0 writes the state.
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
-             unsigned* __restrict__ amax_bits, float* __restrict__ inv_scale, float* __restrict__ guess,
-             float* __restrict__ alpha, int n_slots, unsigned* __restrict__ arrivals) {
+             float* __restrict__ state, int n_slots) {
+    const ScalerState st = scaler_state(state, n_slots);
     // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
-    // them one after the other waited n times for the chain meta → amax_bits → guess.
+    // them one after the other waited n times for the chain meta → copied → amax_bits.
     __shared__ float new_scale[HALF_THREADS];  // 0: the copy stands (the guess was right)
-    __shared__ float inv[HALF_THREADS];        // every slot's 1 / s after this group (n_slots ≤ HALF_THREADS)
-    if (threadIdx.x < n_slots) inv[threadIdx.x] = inv_scale[threadIdx.x];
     int slot = 0;
     float s = 1.f;
     if (threadIdx.x < n) {
         slot = group_slot(meta, n, threadIdx.x);
-        s = pow2_scale(amax_bits[slot], guess[slot]);
-        new_scale[threadIdx.x] = s == guess[slot] ? 0.f : s;
+        const float copied = st.copied[slot];
+        s = pow2_scale(st.amax_bits[st.copied_parity[slot] * n_slots + slot], copied);
+        new_scale[threadIdx.x] = s == copied ? 0.f : s;
     }
     __syncthreads();
-    if (threadIdx.x < n) inv[slot] = 1.f / s;  // after the barrier: over the old value; a shared slot's are equal
     const long long g = blockIdx.x * (long long)HALF_THREADS + threadIdx.x;
     for (int i = 0; i < n; ++i) {
         const float scale = new_scale[i];
@@ -213,20 +237,16 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
                       (long long)gridDim.x * HALF_THREADS,
                       [&](long long j, float4 v) { store_scaled(y, lo, j, v, scale); });
     }
-    __shared__ bool last;
-    __syncthreads();  // this block's reads of amax_bits, guess and inv_scale are done; inv is complete
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+    if (blockIdx.x != 0) return;
+    __shared__ float inv[HALF_THREADS];  // every slot's 1 / s after this group (n_slots ≤ HALF_THREADS)
+    if (threadIdx.x < n_slots) inv[threadIdx.x] = st.inv_scale[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x < n) {  // over the old value; a shared slot's are equal
+        inv[slot] = 1.f / s;
+        st.guess[slot] = s;
+        st.parity[slot] = 1u - st.copied_parity[slot];
     }
     __syncthreads();
-    if (!last) return;
-    __threadfence();  // the other blocks' reads (before their counts) are ordered before these writes
-    for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) alpha[k] = inv[k / n_slots] * inv[k % n_slots];
-    for (int k = threadIdx.x; k < n_slots; k += HALF_THREADS) {
-        inv_scale[k] = inv[k];
-        amax_bits[k] = 0u;
-        guess[k] = 1.f / inv[k];  // exact: a power of two
-    }
-    if (threadIdx.x == 0) *arrivals = 0u;
+    for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) st.alpha[k] = inv[k / n_slots] * inv[k % n_slots];
+    if (threadIdx.x < n_slots) st.inv_scale[threadIdx.x] = inv[threadIdx.x];
 }

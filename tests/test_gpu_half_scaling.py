@@ -80,8 +80,8 @@ def test_the_copy_pass_writes_partial_column_sums_that_add_up_to_the_column_sums
 
 def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
     # Two groups of one scaler, over runs whose magnitudes move the scales (the guess wrong: the
-    # rescale rewrites) or keep them (the copy stands): half_rescale's last block to finish sets
-    # the n × n alphas and clears the state for the next group, whichever block that is. Tensor 1
+    # rescale rewrites) or keep them (the copy stands): half_rescale's block 0 sets the n × n alphas
+    # and the next copies' guesses, the copies clear the amax buffers their slots take next. Tensor 1
     # takes several strides of both kernels' grids (all four loads in flight) and a partial one.
     import cupy
     rng = numpy.random.default_rng(11)
@@ -94,7 +94,7 @@ def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
     members = ([0, 1], [2])
     groups = [scaler.group(table.data.ptr + 8 * m[0], [(sizes[i], halves[i].data.ptr, i, 0, 0, 0) for i in m])
               for m in members]
-    alphas = scaler._state[9:18].reshape(3, 3)  # after amax bits, inverse scales, guesses (3 slots)
+    alphas = scaler.alphas()
     inverse = numpy.ones(3, numpy.float32)  # a scaler's start
     # Factors of 2 and 1/2 keep the guess (max|x| · s stays within [2^12, 2^15)); 4 or 1/4 do not.
     for exponents in ([0, 0, 0], [0, 0, 0], [5, -3, 0], [6, -4, 1], [5, -3, 0], [5, -3, 12], [-20, 30, 12],
