@@ -228,10 +228,10 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
     static_assert(NT % 2 == 0, "fp16 O: column blocks in pairs");
     const int src = ((t & 1) << 1) | (t >> 1);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + g + 8 * h;
+    for (int n = 0; n < NT; n += 2) {  // n outer: the mma.sync resident build spilled 4 bytes with h outer
 #pragma unroll
-        for (int n = 0; n < NT; n += 2) {
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + g + 8 * h;
             const unsigned a = pack_half2(c[n][2 * h] * s_o, c[n][2 * h + 1] * s_o);
             const unsigned b = pack_half2(c[n + 1][2 * h] * s_o, c[n + 1][2 * h + 1] * s_o);
             const unsigned first = __shfl_sync(0xffffffffu, t & 1 ? b : a, src, 4);
