@@ -48,7 +48,7 @@ class HalfScaler:
         # (zero at first: each copy clears the one its slot's next copy takes), inverse scales, the
         # scales guessed for the next copies (the last ones found), the scales the last copies took
         # (all 1 at first), the amax buffer each slot's next copy takes and the one its last copy
-        # took (0 at first), then the n × n alphas.
+        # took (0 at first), then the n × n alphas (1 at first, as the inverse scales).
         n = n_slots
         self._state = cupy.zeros(7 * n + n * n, numpy.float32)
         self._state[2 * n:5 * n] = 1.0

@@ -179,7 +179,7 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // tensors sharing a slot write the same values
         st.copied[slot] = s;
         st.copied_parity[slot] = p;
-        st.amax_bits[(1 - p) * n_slots + slot] = 0u;  // read by the previous run's rescale, unused in this one
+        st.amax_bits[(1 - p) * n_slots + slot] = 0u;  // its reader, the rescale after the slot's last copy, has run
     }
     const float4* x = sources[i];
     uint2* y = group_dest(meta, n, i);
@@ -216,7 +216,7 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
              float* __restrict__ state, int n_slots) {
     const ScalerState st = scaler_state(state, n_slots);
     // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
-    // them one after the other waited n times for the chain meta → copied → amax_bits.
+    // them one after the other waited n times for the chain meta → copied_parity → amax_bits.
     __shared__ float new_scale[HALF_THREADS];  // 0: the copy stands (the guess was right)
     int slot = 0;
     float s = 1.f;
