@@ -78,6 +78,14 @@ def test_the_copy_pass_writes_partial_column_sums_that_add_up_to_the_column_sums
                                       rtol=1e-5, atol=1e-3)
 
 
+def _window_scales(amax, inverse):
+    """The scales a copy and its rescale leave for maxima ``amax`` after a run that left ``inverse``
+    (1 / s): the last scale while it puts max|x| within [2^12, 2^15), else 2^(14 − e), max|x| < 2^e."""
+    exact = numpy.ldexp(numpy.float32(1), 14 - numpy.frexp(amax)[1]).astype(numpy.float32)
+    kept = (amax / inverse >= 2.0 ** 12) & (amax / inverse < 2.0 ** 15)
+    return numpy.where(kept, 1 / inverse, exact).astype(numpy.float32)
+
+
 def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
     # Two groups of one scaler, over runs whose magnitudes move the scales (the guess wrong: the
     # rescale rewrites) or keep them (the copy stands): half_rescale's block 0 sets the n × n alphas
@@ -103,9 +111,7 @@ def test_each_rescale_leaves_every_alpha_right_for_the_next_group_and_run():
         for x, v in zip(sources, values):
             x.set(v)
         amax = numpy.array([numpy.abs(v).max() for v in values], numpy.float32)
-        exact = numpy.ldexp(numpy.float32(1), 14 - numpy.frexp(amax)[1]).astype(numpy.float32)
-        kept = (amax / inverse >= 2.0 ** 12) & (amax / inverse < 2.0 ** 15)
-        s = numpy.where(kept, 1 / inverse, exact).astype(numpy.float32)
+        s = _window_scales(amax, inverse)
         for m, (copy, rescale) in zip(members, groups):
             copy(), rescale()
             inverse[m] = 1 / s[m]  # the other group's slots keep their last scales
@@ -137,9 +143,7 @@ def test_tensors_sharing_a_slot_take_the_scale_of_their_joint_max_run_after_run(
             x.set(v)
         amax = numpy.array([max(numpy.abs(values[0]).max(), numpy.abs(values[1]).max()),
                             numpy.abs(values[2]).max()], numpy.float32)
-        exact = numpy.ldexp(numpy.float32(1), 14 - numpy.frexp(amax)[1]).astype(numpy.float32)
-        kept = (amax / inverse >= 2.0 ** 12) & (amax / inverse < 2.0 ** 15)
-        s = numpy.where(kept, 1 / inverse, exact).astype(numpy.float32)
+        s = _window_scales(amax, inverse)
         copy(), rescale()
         inverse = 1 / s
         numpy.testing.assert_array_equal(cupy.asnumpy(scaler.inverse_scales()), inverse)
