@@ -39,6 +39,14 @@ def kernel_files():
     return sorted(source_dir().glob("*.cu"))
 
 
+_KERNEL = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')
+
+
+def kernel_names():
+    """Names of every ``extern "C"`` kernel in ``kernels_cu/*.cu``."""
+    return frozenset(name for path in kernel_files() for name in _KERNEL.findall(path.read_text()))
+
+
 def kernel_source(filename):
     """The text of ``kernels_cu/<filename>`` with its local ``#include "x.cuh"`` files inlined.
 

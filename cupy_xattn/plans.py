@@ -20,7 +20,7 @@ import numpy
 
 from ._cupy import import_cupy, require_gpu
 from .backward import Backward
-from . import checks
+from . import checks, graphs
 from .checks import PRECISIONS, Problem
 from .grads import CrossAttentionGrads
 
@@ -187,7 +187,8 @@ class Plan:
             self._wait(stream, self._capture_stream)
 
     def _first_run(self, program, stream):
-        """Run the steps directly (loading every kernel and cuBLAS's), then capture them.
+        """Run the steps directly (loading every kernel and cuBLAS's), then capture them (the edges
+        into the library's kernels made programmatic where the GPU has them: graphs.py).
 
         cuBLAS refuses capture for some degenerate shapes (seen on the H200: B·Nv = 1 with TF32,
         where it takes another path for a single row); such a plan stays uncaptured and issues
@@ -210,7 +211,7 @@ class Plan:
             if exc.status not in _CAPTURE_REFUSED:
                 raise
             return _UNCAPTURED
-        return graph
+        return graphs.programmatic(graph)
 
     def _allocate(self, cupy):
         """Fresh outputs and their addresses, every call: arrays laid over one new allocation.

@@ -297,6 +297,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
          const float* __restrict__ inv_bv, float* __restrict__ inv_o) {
+    wait_for_inputs();
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
     operand_t* q_s = reinterpret_cast<operand_t*>(smem4);  // [ATTN_BLOCK_Q][LD_HD]
@@ -511,6 +512,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
                   const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
                   float* __restrict__ inv_o) {
+    wait_for_inputs();
     constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
     using Tiles = TransposedTiles<NK>;  // this warp's 16 × 8 tiles of dK (and of dV)
@@ -737,6 +739,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
 // dkv[i] = Σ_c dkv_part[c][i], summed in chunk order (deterministic). n4 = element count / 4.
 extern "C" __global__ void attn_dkdv_reduce(const float4* __restrict__ dkv_part, float4* __restrict__ dkv,
                                             long long n4, int n_chunks) {
+    wait_for_inputs();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
         float4 acc = dkv_part[i];

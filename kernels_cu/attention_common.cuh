@@ -13,6 +13,8 @@
 // the keys).
 // ATTN_UNROLL_K (default 16, full) is the unrolling of the k loops of the warp products.
 
+#include "grid_dependency.cuh"
+
 #ifndef ATTN_BLOCK_Q
 #define ATTN_BLOCK_Q 64
 #endif

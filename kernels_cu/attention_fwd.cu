@@ -16,6 +16,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 attn_fwd(const float* __restrict__ q0, const float* __restrict__ kv0, const float* const* __restrict__ biases,
          const int* __restrict__ text_lengths, float* __restrict__ o, int n_video, int n_text, int hidden,
          float scale) {
+    wait_for_inputs();
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
     float* q_s = reinterpret_cast<float*>(smem4);  // [ATTN_BLOCK_Q][LD_HD]

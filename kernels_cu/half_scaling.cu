@@ -36,6 +36,8 @@
 // product A·B is recovered to ~2^-22 as (y_A·y_B + y_A·lo_B + lo_A·y_B) · alpha. A remainder of
 // an Inf or NaN is 0 (Inf − Inf would be NaN).
 
+#include "grid_dependency.cuh"
+
 #ifndef HALF_TARGET_EXP
 #define HALF_TARGET_EXP 14
 #endif
@@ -171,6 +173,7 @@ __device__ __forceinline__ void for_each_quad(const float4* src, int parts, long
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
                  float* __restrict__ state, int n_slots) {
+    wait_for_inputs();
     const ScalerState st = scaler_state(state, n_slots);
     const int i = blockIdx.y;
     const int slot = group_slot(meta, n, i);
@@ -214,6 +217,7 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              float* __restrict__ state, int n_slots) {
+    wait_for_inputs();
     const ScalerState st = scaler_state(state, n_slots);
     // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
     // them one after the other waited n times for the chain meta → copied_parity → amax_bits.

@@ -23,6 +23,8 @@
 // TR_VEC = 4: float4 loads and stores (cols, ld and dst_step multiples of 4, 16-byte aligned
 // matrices); TR_VEC = 1: floats, for any shape.
 
+#include "grid_dependency.cuh"
+
 #ifndef TR_VEC
 #define TR_VEC 4
 #endif
@@ -57,6 +59,7 @@ __device__ __forceinline__ void store_vec(float* p, const float (&v)[TR_VEC], in
 extern "C" __global__ void __launch_bounds__(TR_THREADS)
 transposed_copies(const float* const* __restrict__ src, float* __restrict__ dst, long long dst_step, int rows,
                   int cols, long long ld, float* __restrict__ sums, int sum_from) {
+    wait_for_inputs();
     __shared__ float tile[TR_TILE][TR_TILE + 1];  // +1: the column reads spread over the banks
     __shared__ float quarter_sums[TR_THREADS / TR_TILE][TR_TILE];
     const float* __restrict__ s = src[blockIdx.z];

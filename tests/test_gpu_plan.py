@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import cupy_xattn
-from cupy_xattn import bench, cases, plans
+from cupy_xattn import bench, cases, graphs, plans
 from cupy_xattn.grads import CrossAttentionGrads
 
 pytestmark = pytest.mark.gpu
@@ -35,6 +35,25 @@ def test_replay_equals_first_run_with_new_arrays_every_call(precision):
     out = CrossAttentionGrads(*(cupy.full(g.shape, numpy.nan, numpy.float32) for g in first))
     filled = p(**first_inputs, out=out)
     assert all(f is o for f, o in zip(filled, out)) and _equal(filled, first)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16"])
+def test_graph_edges_into_the_library_kernels_are_programmatic_and_replays_repeat_the_first_run(precision):
+    """On sm_90 (graphs.py): each kernel of the library may launch before the kernels it depends on
+    have finished, and waits for them inside. Were a wait missing or misplaced, replays would read
+    inputs still being written: twenty of them must equal the direct run bit for bit."""
+    import cupy
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    case = cases.Case(2, 300, 77, atol=0.2)
+    p = cupy_xattn.plan(2, 300, 77, precision=precision)
+    inputs = _inputs(case, 6)
+    first = p(**inputs)
+    (_, graph), = p._programs.values()
+    assert isinstance(graph, graphs.ProgrammaticGraph) and graph.programmatic_edges >= 3
+    print(precision, graph.programmatic_edges, "programmatic edges")
+    for _ in range(20):
+        assert _equal(p(**inputs), first)
 
 
 def test_plan_matches_cross_attention_backward_and_the_cache_reuses_it():

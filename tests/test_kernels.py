@@ -1,5 +1,6 @@
 """Kernel sources: found, headers inlined, and every kernels_cu/*.cu compiles for Ampere and Hopper without a GPU."""
 import os
+import re
 import shutil
 
 import numpy
@@ -261,3 +262,14 @@ def test_sm_90a_cubins_are_cached_on_disk_by_source_target_and_compiler(tmp_path
         kernels._module_from_cached_cubin("attention_bwd.cu", "sm_90a", defines)
     assert compiled == ["sm_90a"] and loaded == [str(path)] * 2 and path.read_bytes() == b"cubin"
     assert list(path.parent.iterdir()) == [path]  # no partial file left behind
+
+
+
+def test_every_kernel_waits_for_its_inputs_first():
+    """graphs.py makes the edges into every kernel of kernels_cu programmatic: each must begin with
+    wait_for_inputs() (grid_dependency.cuh), or it could read its inputs before they are written."""
+    definition = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\([^)]*\)\s*\{'
+                            r"\s*([^;]*);")
+    first = {name: statement for path in kernels.kernel_files() for name, statement in definition.findall(path.read_text())}
+    assert set(first) == kernels.kernel_names() >= {"attn_bwd", "attn_bwd_resident", "half_copy_absmax", "half_rescale"}
+    assert {name: statement for name, statement in first.items() if statement != "wait_for_inputs()"} == {}

@@ -196,7 +196,7 @@ def gpu(monkeypatch):
     runtime_module.CUDARuntimeError = FakeRuntimeError
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api.runtime", runtime_module)
 
-    from cupy_xattn import _cublas, backward, kernels, plans
+    from cupy_xattn import _cublas, backward, graphs, kernels, plans
 
     class FakeKernel:
         max_dynamic_shared_size_bytes = 0
@@ -228,6 +228,12 @@ def gpu(monkeypatch):
                         lambda filename, name, defines=None, arch=None: FakeKernel(filename, name))
     monkeypatch.setattr(backward._cublas, "Handle", FakeHandle)
     monkeypatch.setattr(plans, "_cache", type(plans._cache)())
+
+    def programmatic(graph):  # the edges of a real graph are the GPU tests' business
+        log.append(("programmatic edges", graph))
+        return graph
+
+    monkeypatch.setattr(graphs, "programmatic", programmatic)
     log.null = null
     return log
 
@@ -260,6 +266,7 @@ def test_first_call_runs_then_captures_later_calls_replay(gpu, precision, gemms,
     assert len(out) == 10 and out.grad_text_embeddings.shape == (2, 20, 128)
     # Direct run plus the capture: every step issued twice, nothing replayed yet.
     assert _run_counts(gpu) == {"gemm": 2 * gemms, "kernel": 2 * kernels, "graph": 0, "copy": 1}
+    assert gpu.count("programmatic edges") == 1  # the captured graph, before its first replay
     mark = len(gpu)
     plan(**_inputs(), out=out)
     assert _run_counts(gpu, mark) == {"gemm": 0, "kernel": 0, "graph": 1, "copy": 1}

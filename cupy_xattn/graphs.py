@@ -1,0 +1,125 @@
+"""Captured CUDA graphs whose edges into this library's kernels are programmatic (sm_90 and later).
+
+In a graph, a kernel normally starts only after the kernels it depends on have finished and their
+writes have been flushed: in the small cases' chains of short kernels that gap is paid at every
+step. With a programmatic edge (CUDA's programmatic dependent launch) the downstream kernel is
+launched while the upstream one drains and waits inside, at its first statement
+(kernels_cu/grid_dependency.cuh). Only this library's kernels begin with that wait, so only the
+edges into them change; edges into cuBLAS's kernels stay as captured. CuPy does not expose a
+graph's edges: the driver API is reached through ctypes.
+"""
+import ctypes
+import functools
+
+from . import kernels
+from ._cupy import import_cupy
+
+_KERNEL_NODE = 0        # CU_GRAPH_NODE_TYPE_KERNEL
+_PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: every upstream block has finished (or triggered)
+_TYPE_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+
+
+class _EdgeData(ctypes.Structure):  # CUgraphEdgeData
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+class GraphError(RuntimeError):
+    """A driver call on a captured graph failed."""
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _call(function, *args):
+    call = getattr(_driver(), function, None)
+    if call is None:
+        raise GraphError(f"the CUDA driver has no {function} (it needs CUDA 12.3 or later)")
+    status = call(*args)
+    if status:
+        raise GraphError(f"{function} failed (CUresult {status})")
+
+
+def _node_array(*nodes):
+    return (ctypes.c_void_p * len(nodes))(*nodes)
+
+
+def _kernel_name(node):
+    """The function name of a kernel node, None for another node."""
+    node_type = ctypes.c_int()
+    _call("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(node_type))
+    if node_type.value != _KERNEL_NODE:
+        return None
+    params = _KernelNodeParams()
+    _call("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(node), ctypes.byref(params))
+    name = ctypes.c_char_p()
+    if params.func:
+        _call("cuFuncGetName", ctypes.byref(name), ctypes.c_void_p(params.func))
+    elif params.kern:
+        _call("cuKernelGetName", ctypes.byref(name), ctypes.c_void_p(params.kern))
+    return name.value.decode() if name.value else ""
+
+
+def make_programmatic(graph):
+    """Turn every edge of ``graph`` (a cudaGraph_t) from a kernel node into one of this library's
+    kernels into a programmatic edge. Returns how many edges changed."""
+    handle = ctypes.c_void_p(graph)
+    count = ctypes.c_size_t()
+    _call("cuGraphGetEdges_v2", handle, None, None, None, ctypes.byref(count))
+    sources, targets = _node_array(*[None] * count.value), _node_array(*[None] * count.value)
+    data = (_EdgeData * count.value)()
+    _call("cuGraphGetEdges_v2", handle, sources, targets, data, ctypes.byref(count))
+    ours, names = kernels.kernel_names(), {}
+
+    def name(node):
+        if node not in names:
+            names[node] = _kernel_name(node)
+        return names[node]
+
+    edges = [(source, target) for source, target, edge in zip(sources, targets, data)
+             if edge.type == 0 and edge.from_port == 0 and name(target) in ours and name(source) is not None]
+    programmatic = _EdgeData(from_port=_PORT_PROGRAMMATIC, type=_TYPE_PROGRAMMATIC)
+    for source, target in edges:
+        _call("cuGraphRemoveDependencies_v2", handle, _node_array(source), _node_array(target), None, ctypes.c_size_t(1))
+        _call("cuGraphAddDependencies_v2", handle, _node_array(source), _node_array(target), ctypes.byref(programmatic),
+              ctypes.c_size_t(1))
+    return len(edges)
+
+
+class ProgrammaticGraph:
+    """A graph captured by CuPy, instantiated again after ``make_programmatic``; ``launch(stream)``
+    as CuPy's. Keeps CuPy's graph, which owns the captured cudaGraph_t."""
+
+    def __init__(self, captured, edges):
+        self._captured, self.programmatic_edges = captured, edges
+        self._runtime = import_cupy().cuda.runtime
+        self._exec = self._runtime.graphInstantiate(captured.graph)
+
+    def launch(self, stream):
+        self._runtime.graphLaunch(self._exec, stream.ptr)
+
+    def __del__(self):
+        self._runtime.graphExecDestroy(self._exec)
+
+
+def programmatic(captured):
+    """``captured`` (a CuPy graph) with programmatic edges into this library's kernels, on GPUs of
+    compute capability 9.0 and later; else, or where the driver lacks the calls (before CUDA
+    12.3), or when there is no such edge, ``captured`` itself. CuPy instantiated it before the
+    edges changed, so ``captured`` stays usable whatever fails here."""
+    cupy = import_cupy()
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return captured
+    try:
+        edges = make_programmatic(captured.graph)
+    except (OSError, GraphError):
+        return captured
+    return ProgrammaticGraph(captured, edges) if edges else captured
