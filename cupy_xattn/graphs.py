@@ -10,6 +10,7 @@ graph's edges: the driver API is reached through ctypes.
 """
 import ctypes
 import functools
+import weakref
 
 from . import kernels
 from ._cupy import import_cupy
@@ -100,14 +101,13 @@ class ProgrammaticGraph:
 
     def __init__(self, captured, edges):
         self._captured, self.programmatic_edges = captured, edges
-        self._runtime = import_cupy().cuda.runtime
-        self._exec = self._runtime.graphInstantiate(captured.graph)
+        runtime = import_cupy().cuda.runtime
+        self._exec, self._launch = runtime.graphInstantiate(captured.graph), runtime.graphLaunch
+        # A finalizer rather than __del__: at interpreter exit it runs before CuPy's modules are torn down.
+        weakref.finalize(self, runtime.graphExecDestroy, self._exec)
 
     def launch(self, stream):
-        self._runtime.graphLaunch(self._exec, stream.ptr)
-
-    def __del__(self):
-        self._runtime.graphExecDestroy(self._exec)
+        self._launch(self._exec, stream.ptr)
 
 
 def programmatic(captured):
