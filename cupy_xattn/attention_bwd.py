@@ -32,6 +32,8 @@ RESIDENT_KEY_SPLIT = 2
 #: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync
 WGMMA = True
 _REDUCE_THREADS = 256
+#: the scalars an fp16 O needs (AttentionBackward's o_scales): read, then written
+O_SCALES = ("inv_t", "inv_w", "inv_bv", "inv_dy", "inv_o", "alpha_o")
 
 
 def _padded(n, multiple):
@@ -244,11 +246,12 @@ class AttentionBackward:
         o_scales : with o_half, device addresses (float32 scalars) of inv_t, inv_w and inv_bv, where
             max|T| ≤ 2^15 · inv_t and max|[Wk; Wv]| ≤ 2^15 · inv_w hold for the T and weights that
             kv0 was computed from, and max|bv| ≤ 2^15 · inv_bv (as for the fp16 copies' inverse
-            scales, half_scaling.cu), and of inv_o, where 1 / s_O is written.
+            scales, half_scaling.cu), of inv_dy, and of inv_o and alpha_o, where 1 / s_O and
+            inv_dy / s_O (the alpha of dWo = dY^T O over the fp16 copies) are written.
         """
         p = self.problem
-        if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != 4):
-            raise ValueError("o_scales (inv_t, inv_w, inv_bv, inv_o) goes with o_half, and only with it")
+        if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != len(O_SCALES)):
+            raise ValueError(f"o_scales ({', '.join(O_SCALES)}) goes with o_half, and only with it")
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
@@ -256,7 +259,7 @@ class AttentionBackward:
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
-            + tuple(numpy.uint64(a) for a in (o_scales or (0, 0, 0, 0))),
+            + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES))),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None and self._reduce is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),

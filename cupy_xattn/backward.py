@@ -23,7 +23,8 @@ changes only the last bits of fp16-subnormal elements: half_scaling.cu).
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
-dX then dWo|dWq, dT then dWk|dWv, and the bias sums (tf32: dX; dQ^T, dbo|dbq then dWo|dWq;
+dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16: dWo beside the second conversion,
+as it reads the attention's fp16 O; tf32: dX; dQ^T, dbo|dbq then dWo|dWq;
 dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs made beside the
 attention; a pair without transposes has its bias sums on the main lane). On the small shapes
 one GEMM fills a fraction of the SMs, so the lanes overlap what would otherwise run one after the
@@ -307,17 +308,25 @@ class Backward:
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
              **half)
         self._join()
-        if o_half:
-            inv = self._scaler.inverse_scale
-            self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_O)))
+        if o_half:  # dWo's alpha, written by the attention (see below)
+            inv, self._alpha_o = self._scaler.inverse_scale, cupy.empty(1, numpy.float32)
+            self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_DY), inv(_O), addr(self._alpha_o)))
         self._record_attention()
+        if o_half:
+            # dWo = dY^T O reads the attention's fp16 O and the first group's dY: it runs beside the
+            # second conversion (the large cases overlap its products with the copy's bandwidth),
+            # with the alpha the attention leaves, not the one that conversion's rescale sets.
+            self._fork()
+            gemm([DY], [O], ["grad_output_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
+                 alpha=addr(self._alpha_o), lane=2, **half)
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
         self._fork()
         gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ), **half)
-        # dWo and dWq: the same shape (K = B·Nv, the deepest); their scales differ, so two calls.
+        # dWo (fp32; fp16's is above) and dWq: the same shape (K = B·Nv, the deepest); their scales
+        # differ, so two calls.
         for left, right, out, slots in ((DY, O, "grad_output_weight", (_DY, _O)),
-                                        (DQ, X, "grad_query_weight", (_DQ, _X))):
+                                        (DQ, X, "grad_query_weight", (_DQ, _X)))[o_half:]:
             gemm([left], [right], [out], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, alpha=alpha(*slots), **half)
         # [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
         gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,

@@ -269,11 +269,17 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 #endif
 }
 
-// Block (0, 0, 0) leaves 1 / s_O in inv_o, for the dWo GEMM's alpha.
+// Block (0, 0, 0) leaves 1 / s_O in inv_o (the scale of O's slot, for the alphas the second
+// conversion sets) and dWo's alpha, inv_dy / s_O, in alpha_o: so dWo = dY^T O can run as soon as
+// this kernel ends, beside that conversion. The same product as the alpha table's (the same bits).
 __device__ __forceinline__ void publish_o_scale(int hidden, const float* inv_t, const float* inv_w,
-                                                const float* inv_bv, float* inv_o) {
-    if (ATTN_O_HALF && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
-        *inv_o = 1.f / o_half_scale(hidden, inv_t, inv_w, inv_bv);
+                                                const float* inv_bv, const float* inv_dy, float* inv_o,
+                                                float* alpha_o) {
+    if (ATTN_O_HALF && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        const float inv = 1.f / o_half_scale(hidden, inv_t, inv_w, inv_bv);
+        *inv_o = inv;
+        *alpha_o = *inv_dy * inv;
+    }
 }
 
 }  // namespace
@@ -296,7 +302,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
          const float* __restrict__ dout, o_t* __restrict__ o, float* __restrict__ dq,
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
-         const float* __restrict__ inv_bv, float* __restrict__ inv_o) {
+         const float* __restrict__ inv_bv, const float* __restrict__ inv_dy, float* __restrict__ inv_o,
+         float* __restrict__ alpha_o) {
     wait_for_inputs();
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
@@ -317,7 +324,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     const float* bk = biases[1] + col;
     const float* bv = biases[2] + col;
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
-    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_o);
+    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int r0 = warp * 16;
@@ -511,7 +518,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
                   int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
                   const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
-                  float* __restrict__ inv_o) {
+                  const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o) {
     wait_for_inputs();
     constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
@@ -540,7 +547,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
     const int key0 = part * NT_K * 8, col0 = part * NT_HD * 8;  // this warp's first key, first column of O and dQ
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
-    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_o);
+    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     RunScale k_scale, v_scale;
     load_tiles<NK>(k_s, hs.k, biases[1] + col, red[0], k_scale, v_s, hs.v, biases[2] + col, red[1], v_scale, ld_kv, 0,
                    n_keys);

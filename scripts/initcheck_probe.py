@@ -53,7 +53,8 @@ def probe_attention(shape, precision):
     # at a scale from a bound on |V| (inverse scales of T, the weights and bv: 2^-15, 2^-10, 2^-12
     # bound max|V| by hidden · 32 + 8 here).
     o_half = precision == "fp16"
-    o_scales = cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, numpy.nan], numpy.float32) if o_half else None
+    o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, 2.0 ** -3, numpy.nan, numpy.nan], numpy.float32)
+                if o_half else None)
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
     for o_transposed, lengths in itertools.product(
             (False, True) if precision == "tf32" else (False,),
@@ -67,7 +68,7 @@ def probe_attention(shape, precision):
         if o_half:
             o = o.astype(numpy.float16)
         backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths,
-                 o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(4)))
+                 o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(6)))
         forward(q0, kv0, table.data.ptr, lengths, y)
         finite = all(bool(cupy.isfinite(x).all()) for x in (o[:, :b * nv] if o_transposed else o, dq, dkv, y))
         print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)

@@ -40,8 +40,9 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         o = o.astype(numpy.float16)
         inv_w = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(kv0[:, hidden:]).max() / hidden)) - 14)
         inv_bv = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(bv).max())) - 15)
-        half_scales = cupy.array([2.0 ** -15, inv_w, inv_bv, numpy.nan], numpy.float32)  # inv_t, inv_w, inv_bv, inv_o
-        o_scales = tuple(half_scales.data.ptr + 4 * i for i in range(4))
+        # inv_t, inv_w, inv_bv, inv_dy; inv_o and alpha_o written by the kernel
+        half_scales = cupy.array([2.0 ** -15, inv_w, inv_bv, 2.0 ** -3, numpy.nan, numpy.nan], numpy.float32)
+        o_scales = tuple(half_scales.data.ptr + 4 * i for i in range(6))
     dq, dkv = poison(q0.shape), poison(kv0.shape)
     biases = [cupy.asarray(b) for b in (bq, bk, bv)]
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
@@ -61,8 +62,8 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     got_o = cupy.asnumpy(o)[:, :rows].T if o_transposed else cupy.asnumpy(o)
     if o_half:  # inv_o = 1 / s_O, s_O = 2^(14 − e) for the bound < 2^e (the kernel's float32 arithmetic)
         bound = numpy.float32(2) * numpy.float32(hidden * 2.0 ** 30 * 2.0 ** -15 * inv_w + 2.0 ** 15 * inv_bv)
-        inv_o = cupy.asnumpy(half_scales)[3]
-        assert inv_o == 2.0 ** (numpy.frexp(bound)[1] - 14), (inv_o, bound)
+        inv_o, alpha_o = cupy.asnumpy(half_scales)[4:]
+        assert inv_o == 2.0 ** (numpy.frexp(bound)[1] - 14) and alpha_o == inv_o * 2.0 ** -3, (inv_o, alpha_o, bound)
         assert numpy.abs(got_o.astype(numpy.float64)).max() < 2.0 ** 14
         got_o = got_o.astype(numpy.float64) * inv_o
     pairs = {"O": (got_o, ref_o), "dQ": (cupy.asnumpy(dq), ref_dq),

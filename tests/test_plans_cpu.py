@@ -753,20 +753,22 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     assert partials.shape == (2, 40, 2 * d) and stage_b[5 * n:] == [1] * (n - 1) + [2] + [0] * (n - 1) + [20 * d]
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]  # (sources, meta, n, ...)
     assert _table_entries(program, int(copies[1][0]), n)[-1] == partials.data.ptr
-    # fp16: the attention writes O · s_O as fp16 where the copy of O goes, dWo reads it, and the
-    # inverse scales of T, [Wk; Wv], bv and O are the scaler's (O's written by the attention).
-    (o_arg, *scale_args), = [e[3][4:5] + e[3][-4:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    # fp16: the attention writes O · s_O as fp16 where the copy of O goes, dWo reads it; the inverse
+    # scales of T, [Wk; Wv], bv, dY and O are the scaler's (O's written by the attention, with
+    # dWo's alpha).
+    (o_arg, *scale_args), = [e[3][4:5] + e[3][-6:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
     halves = stage_b[n:2 * n]  # the copies' destinations
     if precision == "fp16":
-        from cupy_xattn.backward import _BV, _O, _T, _WKV
+        from cupy_xattn.backward import _BV, _DY, _O, _T, _WKV
         o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
         assert int(o_arg) == o_copy
-        assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _BV, _O)]
+        assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _BV, _DY, _O)] + [
+            program._alpha_o.data.ptr]
         assert _table_entries(program, int(copies[0][0]), n_a)[-1] == "value_bias"
         dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
-        assert [_table_entries(program, args[6], 1) for args in dwo] == [[o_copy]]  # dWo = dY^T O
+        assert [(_table_entries(program, args[6], 1), args[5]) for args in dwo] == [([o_copy], scale_args[-1])]
     else:
-        assert scale_args == [0, 0, 0, 0] and o_arg is program._o
+        assert scale_args == [0] * 6 and o_arg is program._o
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
@@ -944,3 +946,18 @@ def test_a_scaler_group_rejects_malformed_tensors(tensor, match):
     scaler.n_slots = 1
     with pytest.raises(ValueError, match=match):
         scaler.group(0, [tensor])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_fp16_dwo_runs_beside_the_second_conversion(gpu, precision):
+    """fp16: dWo = dY^T O reads the attention's fp16 O and the first conversion's dY, so it is forked
+    onto lane 2 right after the attention (its alpha written by the attention); fp32's O goes
+    through the second conversion, so its dWo comes after it."""
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, gpu.null, 132)
+    steps = [(label, lane) for label, _, lane in program._steps]
+    attention = steps.index(("attention", 0))
+    second_copy = next(i for i in range(attention, len(steps)) if steps[i][0].startswith("to fp16"))
+    expected = [("fork", 0), ("gemm 128x128x140", 2)] if precision == "fp16" else []
+    assert steps[attention + 1:second_copy] == expected
