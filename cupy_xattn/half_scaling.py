@@ -20,6 +20,16 @@ def _blocks(sizes, sum_cols, sm_count):
     return -(-blocks // step) * step
 
 
+def _rescale_blocks(sm_count):
+    """Blocks of a rescale: one per two SMs. When the guesses stand (the usual run) its blocks but
+    block 0 only check and leave, yet each needs a slot on an SM; beside a GEMM that holds the SMs
+    (the fp16 mode's dWo beside the second conversion) 264 blocks waited for slots (16.9 µs on the
+    fp16 64x128x77 trace against ~2.5 alone). 66 blocks on the H200: fp16 suite −1.3 µs
+    (docs/perf-notes.md, v41). A rewrite (when a max leaves its window) has a quarter of the blocks
+    that two per SM gave it, so fewer loads in flight: slower, by how much not measured."""
+    return max(1, sm_count // 2)
+
+
 def column_sum_rows(sizes, sum_cols, sm_count):
     """Rows of partial column sums that a group of tensors of ``sizes`` writes for a tensor of row length
     ``cols`` in ``sum_cols`` (the row lengths of the group's tensors with column sums, in order)."""
@@ -92,7 +102,7 @@ class HalfScaler:
         blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n), self._state, numpy.int32(self.n_slots))
         return (lambda: self._copy((blocks, n), (_THREADS,), args),
-                lambda: self._rescale((2 * self._sm_count,), (_THREADS,), args))
+                lambda: self._rescale((_rescale_blocks(self._sm_count),), (_THREADS,), args))
 
     def inverse_scales(self):
         """1 / s of each slot as of the last ``rescale`` (a CuPy view, for checks and probes)."""

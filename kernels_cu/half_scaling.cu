@@ -211,9 +211,10 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     }
 }
 
-// half_rescale runs two blocks per SM, each taking its share of every tensor whose scale changed:
-// when the guesses stand (every run after the first, unless a tensor's max leaves the window of the
-// run that set its scale) its blocks only check and leave, and block 0 writes the state.
+// half_rescale runs a block per two SMs (half_scaling.py says why), each taking its share of every
+// tensor whose scale changed: when the guesses stand (every run after the first, unless a tensor's
+// max leaves the window of the run that set its scale) its blocks only check and leave, and block 0
+// writes the state.
 extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              float* __restrict__ state, int n_slots) {
