@@ -4,14 +4,16 @@
 # current folder first on sys.path, so PYTHONPATH=<tree> from elsewhere would time this checkout.)
 #
 #   git archive <commit> | tar -x -C .scratch/base     # a tree to compare, carried to the device
-#   bash scripts/ab_trees.sh .scratch/base .           # PRECISIONS=fp32 REPS=30 SUITE=wan22-a14b
+#   bash scripts/ab_trees.sh .scratch/base .           # PRECISIONS=fp32 REPS=30 SUITE=wan22-a14b TAG=fp32-
 #
-# Prints each tree's per-case table and suite means; JSON per tree to $OUT (or .) as ab-<n>.json.
+# Prints each tree's per-case table and suite means; JSON per tree to $OUT (or .) as ab-<TAG><n>.json
+# (give each run of one device call its own TAG: a second run would overwrite the first's files).
 set -uo pipefail
 PRECISIONS="${PRECISIONS:-tf32,fp16,fp32}"
 REPS="${REPS:-30}"
 WARMUP="${WARMUP:-5}"
 SUITE="${SUITE:-sol-execbench}"
+TAG="${TAG:-}"
 out="${OUT:-$PWD}"
 n=0
 status=0
@@ -19,8 +21,8 @@ for tree in "$@"; do
     n=$((n + 1))
     echo "== tree $n: $tree"  # (a tree unpacked inside this checkout reports this checkout's commit in its JSON)
     (cd "$tree" && PYTHONPATH=. python3 -m cupy_xattn sweep --suite "$SUITE" --precision "$PRECISIONS" \
-        --reps "$REPS" --warmup "$WARMUP" --format json --out "$out/ab-$n.json" > /dev/null) || status=1
+        --reps "$REPS" --warmup "$WARMUP" --format json --out "$out/ab-$TAG$n.json" > /dev/null) || status=1
     python3 -c 'import json, sys; from cupy_xattn import bench; sys.stdout.write(bench.format_rows(json.load(open(sys.argv[1])), "table"))' \
-        "$out/ab-$n.json" || status=1
+        "$out/ab-$TAG$n.json" || status=1
 done
 exit $status
