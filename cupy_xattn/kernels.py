@@ -4,6 +4,7 @@ The .cu files live in the checkout's top-level ``kernels_cu/`` and are installed
 ``cupy_xattn/kernels_cu/``; an editable install does not see that mapping, so both places
 are searched, the installed copy first.
 """
+import functools
 import hashlib
 import os
 import re
@@ -42,6 +43,7 @@ def kernel_files():
 _KERNEL = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_names():
     """Names of every ``extern "C"`` kernel in ``kernels_cu/*.cu``."""
     return frozenset(name for path in kernel_files() for name in _KERNEL.findall(path.read_text()))

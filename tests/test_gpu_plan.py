@@ -37,12 +37,16 @@ def test_replay_equals_first_run_with_new_arrays_every_call(precision):
     assert all(f is o for f, o in zip(filled, out)) and _equal(filled, first)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16"])
-def test_graph_edges_into_the_library_kernels_are_programmatic_and_replays_repeat_the_first_run(precision):
+# The edges into the library's kernels of a 2x300x77 graph (6, 4, 6 at 0c0f441 on the H200): fp16 and
+# fp32, copy → rescale twice and the three projections → attention; tf32, the projections → attention,
+# attention → its dK|dV reduction, and two transposes after a GEMM or a transpose.
+@pytest.mark.parametrize("precision, edges", [("fp32", 6), ("tf32", 4), ("fp16", 6)])
+def test_graph_edges_into_the_library_kernels_are_programmatic_and_replays_repeat_the_first_run(precision, edges):
     """On sm_90 (graphs.py): each kernel of the library may launch before the kernels it depends on
-    have finished, and waits for them inside. Were a wait missing or misplaced, replays would read
-    inputs still being written: twenty of them must equal the direct run bit for bit."""
+    have finished, and waits for them inside (tests/test_kernels.py checks the wait in the PTX).
+    Only edges into the library's kernels change; replays equal the direct run bit for bit."""
     import cupy
+    from cupy_xattn import kernels
     if int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     case = cases.Case(2, 300, 77, atol=0.2)
@@ -50,8 +54,11 @@ def test_graph_edges_into_the_library_kernels_are_programmatic_and_replays_repea
     inputs = _inputs(case, 6)
     first = p(**inputs)
     (_, graph), = p._programs.values()
-    assert isinstance(graph, graphs.ProgrammaticGraph) and graph.programmatic_edges >= 3
-    print(precision, graph.programmatic_edges, "programmatic edges")
+    assert isinstance(graph, graphs.ProgrammaticGraph), "the graph kept its ordinary edges"
+    print(precision, graph.programmatic_edges)
+    targets = [target for _, target in graph.programmatic_edges]
+    assert len(targets) == edges and set(targets) <= kernels.kernel_names()
+    assert any(target.startswith("attn_bwd") for target in targets)
     for _ in range(20):
         assert _equal(p(**inputs), first)
 

@@ -273,3 +273,27 @@ def test_every_kernel_waits_for_its_inputs_first():
     first = {name: statement for path in kernels.kernel_files() for name, statement in definition.findall(path.read_text())}
     assert set(first) == kernels.kernel_names() >= {"attn_bwd", "attn_bwd_resident", "half_copy_absmax", "half_rescale"}
     assert {name: statement for name, statement in first.items() if statement != "wait_for_inputs()"} == {}
+
+
+# Builds that together hold every kernel: the streamed attention (fp32 operands; fp16 with an fp16 O),
+# the resident one, the forward, the conversions, the transposes.
+_PTX_BUILDS = [("attention_bwd.cu", {}), ("attention_bwd.cu", {"ATTN_HALF": 1, "ATTN_O_HALF": 1}),
+               ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1}),
+               ("attention_fwd.cu", {}), ("half_scaling.cu", {}), ("transpose.cu", {})]
+_GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)(?!\.param|\.shared|\.local|\.const)\S*",
+                            re.MULTILINE)
+
+
+@pytest.mark.parametrize("arch, waits", [("sm_90", True), ("sm_80", False)])
+def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access(arch, waits):
+    """What the compiler made of wait_for_inputs(): on sm_90 a griddepcontrol.wait before any load
+    or store other than of the kernel's parameters, in every entry point (graphs.py makes the edges
+    into them programmatic); below sm_90 none (graphs.py leaves those kernels' edges alone)."""
+    seen = {}
+    for filename, defines in _PTX_BUILDS:
+        ptx = kernels.compile_ptx(filename, arch, defines).decode()
+        for entry in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
+            body = ptx[entry.end():ptx.index("\n}", entry.end())]
+            wait, access = body.find("griddepcontrol.wait"), _GLOBAL_ACCESS.search(body)
+            seen[entry.group(1)] = (0 <= wait < access.start()) if waits else wait == -1
+    assert set(seen) == kernels.kernel_names() and all(seen.values()), seen

@@ -766,7 +766,9 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
             program._alpha_o.data.ptr]
         assert _table_entries(program, int(copies[0][0]), n_a)[-1] == "value_bias"
         dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
-        assert [(_table_entries(program, args[6], 1), args[5]) for args in dwo] == [([o_copy], scale_args[-1])]
+        dy_copy = stage_a[n_a + 6]  # the first group's destinations: X, T, Wq, Wk, Wv, Wo, dY, bv
+        assert [(_table_entries(program, args[9], 1), _table_entries(program, args[6], 1), args[5])
+                for args in dwo] == [([dy_copy], [o_copy], scale_args[-1])]
     else:
         assert scale_args == [0] * 6 and o_arg is program._o
 
