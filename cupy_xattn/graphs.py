@@ -57,15 +57,15 @@ def _node_array(*nodes):
 
 def _kernel(node):
     """(function name, virtual architecture it was compiled for, e.g. 90) of a kernel node launched
-    from a CUfunction; None for another node."""
+    from a CUfunction, ("", 0) of one launched from a CUkernel; None for another node."""
     node_type = ctypes.c_int()
     _call("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(node_type))
     if node_type.value != _KERNEL_NODE:
         return None
     params = _KernelNodeParams()
     _call("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(node), ctypes.byref(params))
-    if not params.func:  # a CUkernel (a library's): not one of ours
-        return None
+    if not params.func:  # launched as a CUkernel (a library's): an upstream kernel, never one of ours
+        return "", 0
     name, arch = ctypes.c_char_p(), ctypes.c_int()
     _call("cuFuncGetName", ctypes.byref(name), ctypes.c_void_p(params.func))
     _call("cuFuncGetAttribute", ctypes.byref(arch), ctypes.c_int(_ATTRIBUTE_PTX_VERSION), ctypes.c_void_p(params.func))

@@ -36,7 +36,10 @@ class FakeDriver:
         self._out(node_type).value = 0 if self.nodes[node.value] is not None else 1
 
     def cuGraphKernelNodeGetParams_v2(self, node, params):
-        self._out(params).func = node.value  # the node's id stands for its function
+        if self.nodes[node.value] == "CUkernel":
+            self._out(params).kern = node.value
+        else:
+            self._out(params).func = node.value  # the node's id stands for its function
 
     def cuFuncGetName(self, name, func):
         self._out(name).value = self.nodes[func.value][0].encode()
@@ -55,10 +58,11 @@ class FakeDriver:
         self.programmatic.append((sources[0], targets[0]))
 
 
-# Node ids from 1: cuBLAS GEMMs, the library's kernels (one built below sm_90), an event node.
+# Node ids from 1: cuBLAS GEMMs (8 launched as a CUkernel), the library's kernels (7 built below
+# sm_90), an event node.
 NODES = {1: ("nvjet_gemm", 90), 2: ("half_copy_absmax", 90), 3: ("half_rescale", 90), 4: ("attn_bwd", 90),
-         5: None, 6: ("nvjet_gemm_2", 90), 7: ("transposed_copies", 80)}
-EDGES = [(2, 3), (3, 1), (1, 4), (5, 4), (4, 6), (6, 7), (4, 2)]
+         5: None, 6: ("nvjet_gemm_2", 90), 7: ("transposed_copies", 80), 8: "CUkernel"}
+EDGES = [(2, 3), (3, 1), (1, 4), (5, 4), (4, 6), (6, 7), (4, 2), (8, 3), (4, 8)]
 
 
 @pytest.fixture
@@ -70,10 +74,11 @@ def driver(monkeypatch):
 
 def test_only_edges_from_a_kernel_into_one_of_ours_built_for_sm90_become_programmatic(driver):
     changed = graphs.make_programmatic(1234)
-    # Not: into cuBLAS (3 → 1, 4 → 6), from an event node (5 → 4), into a kernel built for sm_80 (6 → 7).
-    assert driver.programmatic == [(2, 3), (1, 4), (4, 2)]
-    assert changed == [("half_copy_absmax", "half_rescale"), ("nvjet_gemm", "attn_bwd"), ("attn_bwd", "half_copy_absmax")]
-    assert sorted(driver.edges) == sorted(set(EDGES) - {(2, 3), (1, 4), (4, 2)})
+    # Not: into cuBLAS (3 → 1, 4 → 6, 4 → 8), from an event node (5 → 4), into a kernel built for sm_80 (6 → 7).
+    assert driver.programmatic == [(2, 3), (1, 4), (4, 2), (8, 3)]
+    assert changed == [("half_copy_absmax", "half_rescale"), ("nvjet_gemm", "attn_bwd"),
+                       ("attn_bwd", "half_copy_absmax"), ("", "half_rescale")]
+    assert sorted(driver.edges) == sorted(set(EDGES) - {(2, 3), (1, 4), (4, 2), (8, 3)})
 
 
 @pytest.fixture
@@ -103,7 +108,7 @@ def test_programmatic_instantiates_the_changed_graph(fake_cupy, driver):
     captured = types.SimpleNamespace(graph=1234)
     graph = graphs.programmatic(captured)
     assert isinstance(graph, graphs.ProgrammaticGraph) and fake_cupy.instantiated == [1234]
-    assert len(graph.programmatic_edges) == 3
+    assert len(graph.programmatic_edges) == 4
 
 
 @pytest.mark.parametrize("failure", ["old GPU", "no driver call", "a call fails", "instantiation fails"])
