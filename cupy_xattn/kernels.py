@@ -40,7 +40,9 @@ def kernel_files():
     return sorted(source_dir().glob("*.cu"))
 
 
-_KERNEL = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')
+#: what precedes a kernel's name where kernels_cu/ defines it
+KERNEL_HEAD = r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+'
+_KERNEL = re.compile(KERNEL_HEAD + r"(\w+)\s*\(")
 
 
 @functools.lru_cache(maxsize=None)

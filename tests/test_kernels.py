@@ -268,8 +268,7 @@ def test_sm_90a_cubins_are_cached_on_disk_by_source_target_and_compiler(tmp_path
 def test_every_kernel_waits_for_its_inputs_first():
     """graphs.py makes the edges into every kernel of kernels_cu programmatic: each must begin with
     wait_for_inputs() (grid_dependency.cuh), or it could read its inputs before they are written."""
-    definition = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\([^)]*\)\s*\{'
-                            r"\s*([^;]*);")
+    definition = re.compile(kernels.KERNEL_HEAD + r"(\w+)\s*\([^)]*\)\s*\{\s*([^;]*);")
     first = {name: statement for path in kernels.kernel_files() for name, statement in definition.findall(path.read_text())}
     assert set(first) == kernels.kernel_names() >= {"attn_bwd", "attn_bwd_resident", "half_copy_absmax", "half_rescale"}
     assert {name: statement for name, statement in first.items() if statement != "wait_for_inputs()"} == {}

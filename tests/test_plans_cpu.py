@@ -137,7 +137,7 @@ class Log(list):
 def _kernel_parameter_count(filename, name):
     """Parameters of ``extern "C"`` kernel ``name`` in kernels_cu/<filename>, read from its source."""
     from cupy_xattn import kernels
-    found = re.search(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+' + name + r"\s*\(([^)]*)\)",
+    found = re.search(kernels.KERNEL_HEAD + name + r"\s*\(([^)]*)\)",
                       kernels.kernel_source(filename))
     assert found, f"no kernel {name} in {filename}"
     return len(found.group(1).split(","))
