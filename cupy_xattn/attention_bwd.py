@@ -170,7 +170,9 @@ class AttentionBackward:
     sm_count : multiprocessors of the GPU, for the grid.
     o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
     o_half : write O as fp16, O · s_O, at a power-of-two scale set from a bound on |V| (ATTN_O_HALF,
-        the fp16 mode's operand of dWo; precision "fp16" only): calls then pass ``o_scales``.
+        the operand of dWo in the fp16 and fp32 modes, where the fp32 mode's kernel also writes its
+        fp16 remainder, as the conversions do: half_scaling.cu): calls then pass ``o_scales``
+        (fp32: and ``o_lo``).
     reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
         :attr:`partials` (the fp16 and fp32 modes' conversion does, reading them once).
     """
@@ -185,11 +187,12 @@ class AttentionBackward:
 
     def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_dkv=True):
         check_head_dim(problem)
-        if o_half and (o_transposed or precision != "fp16"):
-            raise ValueError(f"an fp16 O is written row-major in the fp16 mode, not with "
+        if o_half and (o_transposed or precision not in ("fp16", "fp32")):
+            raise ValueError(f"an fp16 O is written row-major in the fp16 and fp32 modes, not with "
                              f"o_transposed={o_transposed}, precision={precision!r}")
         cupy = import_cupy()
         self.o_half = o_half
+        self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
         self.problem = problem
         layout = launch_layout(problem, precision, sm_count)
         (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk, split) = layout
@@ -227,7 +230,7 @@ class AttentionBackward:
         ``dkv`` with reduce_dkv; None with one chunk (the kernel writes ``dkv`` itself)."""
         return self._dkv_part
 
-    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None):
+    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None, o_lo=None):
         """Launch on the current stream.
 
         Parameters
@@ -248,10 +251,18 @@ class AttentionBackward:
             kv0 was computed from, and max|bv| ≤ 2^15 · inv_bv (as for the fp16 copies' inverse
             scales, half_scaling.cu), of inv_dy, and of inv_o and alpha_o, where 1 / s_O and
             inv_dy / s_O (the alpha of dWo = dY^T O over the fp16 copies) are written.
+        o_lo : with o_half in the fp32 mode (and only then), the device address of a float16 array
+            like ``o`` (at a multiple of 8 bytes from it) where the remainders O · s_O − fp16(O · s_O) go.
         """
         p = self.problem
         if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != len(O_SCALES)):
             raise ValueError(f"o_scales ({', '.join(O_SCALES)}) goes with o_half, and only with it")
+        if (o_lo is None) == self._o_lo:
+            raise ValueError("o_lo (O's fp16 remainder) goes with o_half in the fp32 mode, and only with it")
+        o_address = int(o) if isinstance(o, (int, numpy.integer)) else o.data.ptr
+        lo_offset = 0 if o_lo is None else int(o_lo) - o_address
+        if lo_offset % 8:
+            raise ValueError(f"o_lo must be a multiple of 8 bytes from o, not {lo_offset}")
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
@@ -259,7 +270,7 @@ class AttentionBackward:
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
-            + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES))),
+            + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES))) + (numpy.int64(lo_offset // 2),),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None and self._reduce is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),

@@ -23,7 +23,7 @@ changes only the last bits of fp16-subnormal elements: half_scaling.cu).
 
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
-dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16: dWo beside the second conversion,
+dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16, fp32: dWo beside the second conversion,
 as it reads the attention's fp16 O; tf32: dX; dQ^T, dbo|dbq then dWo|dWq;
 dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs made beside the
 attention; a pair without transposes has its bias sums on the main lane). On the small shapes
@@ -69,22 +69,19 @@ def _weight_grads_tn(precision, mv, mt):
     return video, video and mt >= _TN_MIN_TEXT_ROWS or precision == "tf32" and mt >= _TN_MIN_ROWS
 
 
-def _attention_writes_o_half(precision):
-    """Whether the attention writes O's fp16 copy itself (the fp16 mode: at a scale from a bound on
-    |V|, whose bias term needs bv's scale), so that O is neither kept in fp32 nor converted."""
-    return precision == "fp16"
-
-
-def _partials_converted(precision):
-    """Whether the second conversion sums the attention's dK/dV partials of its query chunks as it
-    reads them (the half modes), so that no reduction kernel runs and no fp32 [dK | dV] is kept."""
+def _half_mode(precision):
+    """Whether ``precision`` runs its GEMMs on fp16 copies (fp16, fp32: hi and lo). Then the attention
+    writes O's fp16 copy itself (fp32: and its remainder), at a scale from a bound on |V| whose bias
+    term needs bv's scale, so that O is neither kept in fp32 nor converted and dWo = dY^T O runs
+    beside the second conversion; and that conversion sums the attention's dK/dV partials of its
+    query chunks as it reads them, so that no reduction kernel runs and no fp32 [dK | dV] is kept."""
     return precision != "tf32"
 
 
 def _o_shape(precision, video_tn, mv, d):
     """O's float32 buffer: O^T with rows padded to o_t_stride where [dWo | dWq] read transposes,
-    none where the attention writes O's fp16 copy itself, else O."""
-    if _attention_writes_o_half(precision):
+    none where the attention writes O's fp16 copy itself (_half_mode), else O."""
+    if _half_mode(precision):
         return (0,)
     return (d, o_t_stride(mv)) if video_tn else (mv, d)
 
@@ -92,7 +89,7 @@ def _o_shape(precision, video_tn, mv, d):
 def _dkv_shape(precision, n_chunks, mt, d):
     """[dK | dV]'s float32 buffer: none where the conversion sums the attention's partials of
     several query chunks (AttentionBackward(reduce_dkv=False))."""
-    return (0,) if _partials_converted(precision) and n_chunks > 1 else (mt, 2 * d)
+    return (0,) if _half_mode(precision) and n_chunks > 1 else (mt, 2 * d)
 
 
 def _tf32_shapes(mv, mt, d):
@@ -107,7 +104,7 @@ def _tf32_shapes(mv, mt, d):
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
-_X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV, _BV = range(10)  # _BV: fp16 only, for max|bv| (the O bound)
+_X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV, _BV = range(10)  # _BV: for max|bv| (the O bound)
 _VIDEO_BIASES, _TEXT_BIASES = ["grad_output_bias", "grad_query_bias"], ["grad_key_bias", "grad_value_bias"]
 _N_SLOTS = 10
 
@@ -173,7 +170,7 @@ class Backward:
     def __init__(self, problem, precision, stream, sm_count):
         cupy = import_cupy()
         self.problem, self.precision, self.stream = problem, precision, stream
-        self._o_half = None  # fp16: (O's fp16 copy, o_scales) for the attention (see _record)
+        self._o_half = None  # fp16, fp32: (O's fp16 copy, o_scales, its remainder or None) (see _record)
         b, nv, nt, d = (problem.batch_size, problem.num_video_tokens, problem.num_text_tokens,
                         problem.hidden_size)
         mv, mt = b * nv, b * nt
@@ -182,8 +179,7 @@ class Backward:
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
-                                            o_half=_attention_writes_o_half(precision),
-                                            reduce_dkv=not _partials_converted(precision))
+                                            o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision))
         self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
@@ -224,7 +220,7 @@ class Backward:
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
-            fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(precision, mv, mt, d)
+            fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
                             for rows, cols in _column_sum_shapes(stage, sm_count))
         transposed = (4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values() if shape)
                       if precision == "tf32" else 0)
@@ -284,18 +280,17 @@ class Backward:
         X, T, WQ, WK, WO, DY, O, DQ, DK, BV = (self._halves.data.ptr + 2 * start
                                                for start in numpy.cumsum([0] + sizes[:-1]).tolist())
         WV, DV = WK + 2 * d * d, DK + 2 * d  # [Wk; Wv] and [dK | dV] are one copy each
-        o_half = _attention_writes_o_half(self.precision)
         # (source entry, fp16 destination, scale slot), in the order of _conversion_shapes
         stage_a = [("video_latents", X, _X), ("text_embeddings", T, _T), ("query_weight", WQ, _WQ),
                    ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
-                   ("grad_output", DY, _DY)] + [("value_bias", BV, _BV)] * o_half
-        # fp16: the attention writes O's copy itself (o_half), so the second group starts at dQ.
+                   ("grad_output", DY, _DY), ("value_bias", BV, _BV)]
+        # The attention writes O's copy itself (fp32: and its remainder), so the second group is dQ and dK|dV.
         # [dK | dV]: the sum of the attention's partials, one per query chunk, where it has several.
         partials = self._attention.partials
         dkv = (addr(self._dkv), DK, _DKV) if partials is None else (addr(partials), DK, _DKV, partials.shape[0],
                                                                     partials.size // partials.shape[0])
-        stage_b = [(addr(self._o), O, _O), (addr(self._dq), DQ, _DQ), dkv][o_half:]
-        shapes_a, shapes_b = _conversion_shapes(self.precision, mv, mt, d)
+        stage_b = [(addr(self._dq), DQ, _DQ), dkv]
+        shapes_a, shapes_b = _conversion_shapes(mv, mt, d)
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
@@ -308,26 +303,23 @@ class Backward:
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
              **half)
         self._join()
-        if o_half:  # dWo's alpha, written by the attention (see below)
-            inv, self._alpha_o = self._scaler.inverse_scale, cupy.empty(1, numpy.float32)
-            self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_DY), inv(_O), addr(self._alpha_o)))
+        # dWo's alpha, written by the attention (see below)
+        inv, self._alpha_o = self._scaler.inverse_scale, cupy.empty(1, numpy.float32)
+        self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_DY), inv(_O), addr(self._alpha_o)),
+                        None if self._lo_offset is None else O + self._lo_offset)
         self._record_attention()
-        if o_half:
-            # dWo = dY^T O reads the attention's fp16 O and the first group's dY: it runs beside the
-            # second conversion (the large cases overlap its products with the copy's bandwidth),
-            # with the alpha the attention leaves, not the one that conversion's rescale sets.
-            self._fork()
-            gemm([DY], [O], ["grad_output_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-                 alpha=addr(self._alpha_o), lane=2, **half)
+        # dWo = dY^T O reads the attention's fp16 O and the first group's dY: it runs beside the
+        # second conversion (the large cases overlap its products with the copy's bandwidth),
+        # with the alpha the attention leaves, not the one that conversion's rescale sets.
+        self._fork()
+        gemm([DY], [O], ["grad_output_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
+             alpha=addr(self._alpha_o), lane=2, **half)
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
         self._fork()
         gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ), **half)
-        # dWo (fp32; fp16's is above) and dWq: the same shape (K = B·Nv, the deepest); their scales
-        # differ, so two calls.
-        for left, right, out, slots in ((DY, O, "grad_output_weight", (_DY, _O)),
-                                        (DQ, X, "grad_query_weight", (_DQ, _X)))[o_half:]:
-            gemm([left], [right], [out], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True, alpha=alpha(*slots), **half)
+        gemm([DQ], [X], ["grad_query_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
+             alpha=alpha(_DQ, _X), **half)
         # [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
         gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
              alpha=alpha(_DKV, _WKV), lane=1, **half)
@@ -432,9 +424,9 @@ class Backward:
         """Record the attention kernel on the main lane. Steps close over what they use, not over
         self: an evicted plan is freed at once (no reference cycle waiting for the garbage collector)."""
         biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
-        o, o_scales = self._o_half or (self._o, None)
+        o, o_scales, o_lo = self._o_half or (self._o, None, None)
         attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, o, self._dq, self._dkv,
-                                               self._text_lengths, o_scales)
+                                               self._text_lengths, o_scales, o_lo)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
 
     def _record_column_sums(self, sources, outputs, rows, ld, lane):
@@ -501,14 +493,12 @@ class Backward:
             raise
 
 
-def _conversion_shapes(precision, mv, mt, d):
+def _conversion_shapes(mv, mt, d):
     """(element count, row length of its column sums or 0) of the tensors converted to fp16 before
-    the attention (X, T, Wq, Wk, Wv, Wo, dY, and in the fp16 mode bv, whose scale bounds max|bv| for
-    the attention's O) and after it (O but in the fp16 mode, dQ, [dK | dV]): the bias gradients
-    are the column sums of dY, dQ and [dK | dV]."""
-    o_half = _attention_writes_o_half(precision)
-    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d)] + [(d, 0)] * o_half,
-            [(mv * d, 0), (mv * d, d), (2 * mt * d, 2 * d)][o_half:])
+    the attention (X, T, Wq, Wk, Wv, Wo, dY, and bv, whose scale bounds max|bv| for the attention's
+    O) and after it (dQ, [dK | dV]): the bias gradients are the column sums of dY, dQ and [dK | dV]."""
+    return ([(mv * d, 0), (mt * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (d * d, 0), (mv * d, d), (d, 0)],
+            [(mv * d, d), (2 * mt * d, 2 * d)])
 
 
 def _column_sum_shapes(shapes, sm_count):
@@ -521,7 +511,7 @@ def _column_sum_shapes(shapes, sm_count):
 
 def _half_elements(mv, mt, d):
     """Sizes (fp16 elements, each rounded up to 256 bytes) of the fp16 copies, in their order in
-    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV], bv (written in the fp16 mode only)."""
+    the one allocation: X, T, Wq, [Wk; Wv], Wo, dY, O, dQ, [dK | dV], bv."""
     sizes = [mv * d, mt * d, d * d, 2 * d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d, d]
     return [-(-size // 128) * 128 for size in sizes]
 

@@ -13,7 +13,8 @@
 //                     stride ld_o ≥ B·Nv (the launcher rounds it up to 32 floats, for 16-byte
 //                     aligned rows): the tf32 mode's dWo = dY^T O then reads both operands
 //                     K-major (transpose.cu says why); with ATTN_O_HALF it is fp16, O · s_O
-//                     (o_half_scale), the operand of the fp16 mode's dWo GEMM
+//                     (o_half_scale), the operand of the fp16 and fp32 modes' dWo GEMMs (fp32, the
+//                     3xTF32 build: with its fp16 remainder at o + o_lo_offset, as half_scaling.cu's)
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce,
 //                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
@@ -55,7 +56,8 @@
 #include "attention_common.cuh"
 static_assert(!ATTN_WGMMA || ATTN_KEYS > 0, "wgmma: the resident kernel only");
 
-static_assert(!ATTN_O_HALF || (ATTN_HALF && !ATTN_O_TRANSPOSED), "fp16 O: row-major, from the fp16-operand build");
+static_assert(!ATTN_O_HALF || ((ATTN_HALF || ATTN_SPLIT3) && !ATTN_O_TRANSPOSED),
+              "fp16 O: row-major, from the fp16-operand or the 3xTF32 build");
 #if ATTN_O_HALF
 typedef unsigned short o_t;  // fp16 bits
 #else
@@ -213,11 +215,12 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
 }
 
 // This warp's 16 rows of O (its first NT·8 columns): rows of o, or columns of O^T with
-// ATTN_O_TRANSPOSED (row stride ld either way), or rows of fp16 O · s_o with ATTN_O_HALF; n_rows = Nv,
-// o already offset to the (batch, head) and to the warp's first column.
+// ATTN_O_TRANSPOSED (row stride ld either way), or rows of fp16 O · s_o with ATTN_O_HALF (and with
+// ATTN_SPLIT3, the fp32 mode, their remainders at o + lo_offset: half_scaling.cu's hi/lo pair);
+// n_rows = Nv, o already offset to the (batch, head) and to the warp's first column.
 template <int NT = ATTN_HEAD_DIM / 8>
 __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, const float c[NT][4], int g, int t,
-                                        float s_o) {
+                                        float s_o, long long lo_offset) {
 #if ATTN_O_HALF
     // A quad's pieces of a row in column block n are 16 bytes, half a 32-byte sector: stored as
     // they are, they cost the fp16 64x128x77 kernel 2.4 µs more than whole sectors (Session 15's
@@ -227,18 +230,24 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
     // `second` from src ^ 1.
     static_assert(NT % 2 == 0, "fp16 O: column blocks in pairs");
     const int src = ((t & 1) << 1) | (t >> 1);
+    auto store_sector = [&](o_t* dst, bool in_range, float a0, float a1, float b0, float b1) {
+        const unsigned a = pack_half2(a0, a1), b = pack_half2(b0, b1);
+        const unsigned first = __shfl_sync(0xffffffffu, t & 1 ? b : a, src, 4);
+        const unsigned second = __shfl_sync(0xffffffffu, t & 1 ? a : b, src ^ 1, 4);
+        if (in_range) *reinterpret_cast<uint2*>(dst) = t < 2 ? make_uint2(first, second) : make_uint2(second, first);
+    };
 #pragma unroll
     for (int n = 0; n < NT; n += 2) {  // n outer: the mma.sync resident build spilled 4 bytes with h outer
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + g + 8 * h;
-            const unsigned a = pack_half2(c[n][2 * h] * s_o, c[n][2 * h + 1] * s_o);
-            const unsigned b = pack_half2(c[n + 1][2 * h] * s_o, c[n + 1][2 * h + 1] * s_o);
-            const unsigned first = __shfl_sync(0xffffffffu, t & 1 ? b : a, src, 4);
-            const unsigned second = __shfl_sync(0xffffffffu, t & 1 ? a : b, src ^ 1, 4);
-            if (row < n_rows)
-                *reinterpret_cast<uint2*>(o + (long long)row * ld + n * 8 + 4 * t) =
-                    t < 2 ? make_uint2(first, second) : make_uint2(second, first);
+            o_t* dst = o + (long long)row * ld + n * 8 + 4 * t;
+            const float a0 = c[n][2 * h] * s_o, a1 = c[n][2 * h + 1] * s_o;
+            const float b0 = c[n + 1][2 * h] * s_o, b1 = c[n + 1][2 * h + 1] * s_o;
+            store_sector(dst, row < n_rows, a0, a1, b0, b1);
+            if (ATTN_SPLIT3)
+                store_sector(dst + lo_offset, row < n_rows, remainder_of_half(a0), remainder_of_half(a1),
+                             remainder_of_half(b0), remainder_of_half(b1));
         }
     }
 #elif ATTN_O_TRANSPOSED
@@ -303,7 +312,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
          const float* __restrict__ inv_bv, const float* __restrict__ inv_dy, float* __restrict__ inv_o,
-         float* __restrict__ alpha_o) {
+         float* __restrict__ alpha_o, long long o_lo_offset) {
     wait_for_inputs();
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
@@ -429,8 +438,8 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             }
         }
         unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
-        store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t,
-                o_half_scale(hidden, inv_t, inv_w, inv_bv));
+        store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv),
+                o_lo_offset);
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];  // at the scale ds_run.s·k_run.s of the latest tile's operands
@@ -518,7 +527,8 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
                   float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
                   int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
                   const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
-                  const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o) {
+                  const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o,
+                  long long o_lo_offset) {
     wait_for_inputs();
     constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
@@ -653,7 +663,7 @@ attn_bwd_resident(const float* __restrict__ q0, const float* __restrict__ kv0,
             rows_times_add<NK, NT_HD>(o_acc, p_s, LD_P, v_s + col0, r0, g, t);
             unscale<NT_HD>(o_acc, P_SCALE, s_v);
             store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, q_row0 + r0, n_video,
-                           o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));
+                           o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);
         }
         // dP = dO V^T and D = rowsum(P ∘ dP), from the same products as dS (see attn_bwd).
         float d_row[2];

@@ -14,6 +14,7 @@
 // ATTN_UNROLL_K (default 16, full) is the unrolling of the k loops of the warp products.
 
 #include "grid_dependency.cuh"
+#include "half.cuh"
 
 #ifndef ATTN_BLOCK_Q
 #define ATTN_BLOCK_Q 64
@@ -95,13 +96,6 @@ __device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], const u
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// fp16 of lo in the low half, of hi in the high half (round to nearest).
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 // The four 8×8 blocks of the fp16 matrix M[row0, +16) × [col0, +16) as ldmatrix.x4 fragments

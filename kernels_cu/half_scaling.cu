@@ -37,6 +37,7 @@
 // an Inf or NaN is 0 (Inf − Inf would be NaN).
 
 #include "grid_dependency.cuh"
+#include "half.cuh"
 
 #ifndef HALF_TARGET_EXP
 #define HALF_TARGET_EXP 14
@@ -102,29 +103,6 @@ __device__ __forceinline__ float pow2_scale(unsigned amax_bits, float guess) {
     int e;
     frexpf(amax, &e);  // amax < 2^e
     return ldexpf(1.f, min(HALF_TARGET_EXP - e, 126));
-}
-
-// Two floats → one 32-bit word of two fp16, round to nearest; `lo` is the first in memory.
-// (PTX instead of cuda_fp16.h, so that NVRTC needs no toolkit headers.)
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// x rounded to fp16 and back.
-__device__ __forceinline__ float half_round(float x) {
-    unsigned short h;
-    float r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
-    return r;
-}
-
-// The remainder, 0 where x or its fp16 copy is not finite (Inf − Inf would be NaN).
-__device__ __forceinline__ float remainder_of_half(float x) {
-    const float h = half_round(x);
-    return isfinite(x) && isfinite(h) ? x - h : 0.f;
 }
 
 // Sources are read here once (again only by a rescale) and the GEMMs read the fp16 copies: the

@@ -40,14 +40,14 @@ ABLATIONS = {
            (BWD, "store_rows<NT_HD>(hs.dq, hidden,", "if (n_video < 0) store_rows<NT_HD>(hs.dq, hidden,")],
     "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)",
                    "<float2*>(dst + (long long)(row & 15) * ld + col)"),
-                  (BWD, "<uint2*>(o + (long long)row * ld + n * 8", "<uint2*>(o + (long long)(row & 15) * ld + n * 8"),
+                  (BWD, "o_t* dst = o + (long long)row * ld + n * 8", "o_t* dst = o + (long long)(row & 15) * ld + n * 8"),
                   (BWD, "o[(long long)col * ld + row] = x0;", "o[(long long)col * ld + (row & 15)] = x0;"),
                   (BWD, "o[(long long)(col + 1) * ld + row] = x1;", "o[(long long)(col + 1) * ld + (row & 15)] = x1;")],
     "o_late": [(BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o"),
                (BWD, "store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);",
                 "store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
-                "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv));")],
+                "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
 }
 SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"), ("64x128x77", "tf32"))  # tf32: O^T in fp32

@@ -49,10 +49,10 @@ def probe_attention(shape, precision):
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     problem = Problem(b, nv, nt, hidden, heads, hidden // heads, (hidden // heads) ** -0.5)
     # As the backward runs it: tf32 writes O^T (D rows of stride o_t_stride(B·Nv), the first B·Nv
-    # columns) from 1024 video rows, O below; both here, whatever the shape. fp16 writes O as fp16
-    # at a scale from a bound on |V| (inverse scales of T, the weights and bv: 2^-15, 2^-10, 2^-12
-    # bound max|V| by hidden · 32 + 8 here).
-    o_half = precision == "fp16"
+    # columns) from 1024 video rows, O below; both here, whatever the shape. fp16 and fp32 write O as
+    # fp16 (fp32: and its remainder) at a scale from a bound on |V| (inverse scales of T, the weights
+    # and bv: 2^-15, 2^-10, 2^-12 bound max|V| by hidden · 32 + 8 here).
+    o_half = precision != "tf32"
     o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, 2.0 ** -3, numpy.nan, numpy.nan], numpy.float32)
                 if o_half else None)
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
@@ -65,12 +65,16 @@ def probe_attention(shape, precision):
         lengths = cupy.asarray(lengths)
         o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
                          for shape in (o_shape, q0.shape, kv0.shape, q0.shape))  # poisoned
+        o_lo = None
         if o_half:
             o = o.astype(numpy.float16)
+            o_lo = o.copy() if precision == "fp32" else None
         backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths,
-                 o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(6)))
+                 o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(6)),
+                 o_lo=None if o_lo is None else o_lo.data.ptr)
         forward(q0, kv0, table.data.ptr, lengths, y)
-        finite = all(bool(cupy.isfinite(x).all()) for x in (o[:, :b * nv] if o_transposed else o, dq, dkv, y))
+        outputs = (o[:, :b * nv] if o_transposed else o, dq, dkv, y) + (() if o_lo is None else (o_lo,))
+        finite = all(bool(cupy.isfinite(x).all()) for x in outputs)
         print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)
         if not finite:  # an output the kernels left unwritten keeps its NaN poison
             raise SystemExit(1)

@@ -12,7 +12,7 @@ TOLERANCE = {"tf32": 5e-3, "fp16": 5e-3, "fp32": 2e-5}
 
 
 @pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("fp16", "half"),
-                                                 ("fp32", "rows")])
+                                                 ("fp32", "rows"), ("fp32", "half")])
 @pytest.mark.parametrize("resident_rows, wgmma", [(64, True), (64, False), (128, False)])  # wgmma: sm_90 only
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
     (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
@@ -35,7 +35,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     rows = batch_size * n_video
     o_transposed, o_half = o_layout == "transposed", o_layout == "half"
     o = poison((hidden, attention_bwd.o_t_stride(rows))) if o_transposed else poison(q0.shape)  # tf32's O^T
-    o_scales, half_scales = None, None
+    o_scales, half_scales, o_lo = None, None, None
     if o_half:  # fp16 O at the scale of a bound on |V|: here 2 · (2 to 4 · max|V0| + 1 to 2 · max|bv|)
         o = o.astype(numpy.float16)
         inv_w = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(kv0[:, hidden:]).max() / hidden)) - 14)
@@ -43,13 +43,15 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         # inv_t, inv_w, inv_bv, inv_dy; inv_o and alpha_o written by the kernel
         half_scales = cupy.array([2.0 ** -15, inv_w, inv_bv, 2.0 ** -3, numpy.nan, numpy.nan], numpy.float32)
         o_scales = tuple(half_scales.data.ptr + 4 * i for i in range(6))
+        if precision == "fp32":  # and the remainders (a separate poisoned array)
+            o_lo = o.copy()
     dq, dkv = poison(q0.shape), poison(kv0.shape)
     biases = [cupy.asarray(b) for b in (bq, bk, bv)]
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half)
     kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
-           o_scales=o_scales)
+           o_scales=o_scales, o_lo=None if o_lo is None else o_lo.data.ptr)
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q = f64(q0, n_video) + bq
@@ -66,6 +68,8 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         assert inv_o == 2.0 ** (numpy.frexp(bound)[1] - 14) and alpha_o == inv_o * 2.0 ** -3, (inv_o, alpha_o, bound)
         assert numpy.abs(got_o.astype(numpy.float64)).max() < 2.0 ** 14
         got_o = got_o.astype(numpy.float64) * inv_o
+        if o_lo is not None:  # without the remainders, O would be off by up to 2^-12 of its largest element
+            got_o += cupy.asnumpy(o_lo).astype(numpy.float64) * inv_o
     pairs = {"O": (got_o, ref_o), "dQ": (cupy.asnumpy(dq), ref_dq),
              "dK": (got_dkv[..., :hidden], ref_dk), "dV": (got_dkv[..., hidden:], ref_dv)}
     scale_dq = numpy.abs(ref_dv).max()  # dQ and dK are exactly 0 when n_text = 1
@@ -74,6 +78,21 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         size = max(numpy.abs(ref).max(), 1e-9 * scale_dq) if n_text > 1 else scale_dq
         errors[name] = float(numpy.abs(got.reshape(ref.shape) - ref).max() / size)
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("precision, o_lo_offset, match", [("fp32", None, "o_lo"), ("fp16", 0, "o_lo"),
+                                                        ("fp32", 6, "multiple of 8")])
+def test_o_remainders_go_with_the_fp32_mode_fp16_o(precision, o_lo_offset, match):
+    import cupy
+    problem = Problem(1, 64, 77, 1024, 16, 64, 0.125)
+    kernel = attention_bwd.AttentionBackward(problem, precision, 132, o_half=True)
+    f32 = lambda *shape: cupy.zeros(shape, numpy.float32)  # noqa: E731
+    o = cupy.zeros((64, 1024), numpy.float16)
+    scales = f32(6)
+    with pytest.raises(ValueError, match=match):
+        kernel(f32(64, 1024), f32(77, 2048), f32(3).data.ptr, f32(64, 1024), o, f32(64, 1024), f32(77, 2048),
+               o_scales=tuple(scales.data.ptr + 4 * i for i in range(6)),
+               o_lo=None if o_lo_offset is None else o.data.ptr + 8 * o.size + o_lo_offset)
 
 
 # The resident kernel, the resident kernel with its keys split (128 blocks: one tile an SM), the streamed kernel.

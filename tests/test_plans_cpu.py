@@ -728,11 +728,11 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     d = 128
     program, entries, _, calls = _recorded_program(gpu, monkeypatch, 0, precision)
     dy, dq, dkv = program._column_sums  # dY's from before the attention, dQ's and [dK | dV]'s after it
-    o_copied = [140 * d] if precision == "fp32" else []  # fp16: the attention writes O's fp16 copy
-    bias = [d] if precision == "fp16" else []  # fp16: bv's copy, whose scale bounds max|bv| for O's
+    # The attention writes O's fp16 copy (fp32: and its remainder), so the first group holds bv's copy,
+    # whose scale bounds max|bv| for O's, and the second none of O.
     assert [a.shape for a in (dy, dq, dkv)] == [
-        (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d] + bias, [d], 132)[0], d),
-        *zip(column_sum_rows(o_copied + [140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
+        (column_sum_rows([140 * d, 40 * d] + [d * d] * 4 + [140 * d, d], [d], 132)[0], d),
+        *zip(column_sum_rows([140 * d, 80 * d], [d, 2 * d], 132), (d, 2 * d))]
     sums = sorted((_table_entries(program, args[6], args[16]), args[4], args[8])
                   for args in calls if args[3] == 1)  # cuBLAS's n = 1: the ones row
     # Partial rows past the tensor's rows hold no data: the sums run over at most B·Nv (B·Nt) of them.
@@ -745,32 +745,34 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
     n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
-    n_a = 7 + len(bias)
-    assert stage_a[4 * n_a:5 * n_a] == [0] * 6 + [dy.data.ptr] + [0] * len(bias)
-    assert stage_b[4 * n:5 * n] == [0] * len(o_copied) + [dq.data.ptr, dkv.data.ptr]
+    n_a = 8
+    assert stage_a[4 * n_a:5 * n_a] == [0] * 6 + [dy.data.ptr, 0]
+    assert stage_b[4 * n:5 * n] == [dq.data.ptr, dkv.data.ptr]
     # [dK | dV] is the sum of the attention's two query chunks' partials (no reduction kernel).
     partials = program._attention.partials
     assert partials.shape == (2, 40, 2 * d) and stage_b[5 * n:] == [1] * (n - 1) + [2] + [0] * (n - 1) + [20 * d]
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]  # (sources, meta, n, ...)
     assert _table_entries(program, int(copies[1][0]), n)[-1] == partials.data.ptr
-    # fp16: the attention writes O · s_O as fp16 where the copy of O goes, dWo reads it; the inverse
-    # scales of T, [Wk; Wv], bv, dY and O are the scaler's (O's written by the attention, with
-    # dWo's alpha).
-    (o_arg, *scale_args), = [e[3][4:5] + e[3][-6:] for e in entries if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    # The attention writes O · s_O as fp16 where the copy of O goes (fp32: its remainder where the
+    # copy's remainder goes), dWo reads it; the inverse scales of T, [Wk; Wv], bv, dY and O are the
+    # scaler's (O's written by the attention, with dWo's alpha).
+    from cupy_xattn.backward import _BV, _DY, _O, _T, _WKV
+    (o_arg, *scale_args, lo_offset), = [e[3][4:5] + e[3][-7:] for e in entries
+                                        if e[0] == "kernel" and e[1].startswith("attn_bwd")]
     halves = stage_b[n:2 * n]  # the copies' destinations
-    if precision == "fp16":
-        from cupy_xattn.backward import _BV, _DY, _O, _T, _WKV
-        o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
-        assert int(o_arg) == o_copy
-        assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _BV, _DY, _O)] + [
-            program._alpha_o.data.ptr]
-        assert _table_entries(program, int(copies[0][0]), n_a)[-1] == "value_bias"
-        dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
-        dy_copy = stage_a[n_a + 6]  # the first group's destinations: X, T, Wq, Wk, Wv, Wo, dY, bv
-        assert [(_table_entries(program, args[9], 1), _table_entries(program, args[6], 1), args[5])
-                for args in dwo] == [([dy_copy], [o_copy], scale_args[-1])]
-    else:
-        assert scale_args == [0] * 6 and o_arg is program._o
+    o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
+    assert int(o_arg) == o_copy
+    assert int(lo_offset) == (0 if precision == "fp16" else program._lo_offset // 2)
+    if precision == "fp32":
+        assert stage_b[3 * n:4 * n] == [h + program._lo_offset for h in halves]  # dQ's, [dK | dV]'s remainders
+    assert scale_args == [program._scaler.inverse_scale(i) for i in (_T, _WKV, _BV, _DY, _O)] + [
+        program._alpha_o.data.ptr]
+    assert _table_entries(program, int(copies[0][0]), n_a)[-1] == "value_bias"
+    dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
+    dy_copy = stage_a[n_a + 6]  # the first group's destinations: X, T, Wq, Wk, Wv, Wo, dY, bv
+    lo = [program._lo_offset] if precision == "fp32" else []  # fp32: lo·hi, hi·lo, then hi·hi
+    assert [(_table_entries(program, args[9], 1), _table_entries(program, args[6], 1), args[5]) for args in dwo] == [
+        ([dy_copy + a], [o_copy + b], scale_args[-1]) for a, b in ([(lo[0], 0), (0, lo[0])] if lo else []) + [(0, 0)]]
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
@@ -924,8 +926,8 @@ def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
     assert attention_bwd.launch_layout(Problem(2, 256, 77, 1024, 16, 64, 0.125), "tf32", 132)[7] == 1
 
 
-@pytest.mark.parametrize("precision, o_transposed", [("tf32", False), ("fp32", False), ("fp16", True)])
-def test_an_fp16_o_is_only_for_the_fp16_mode_row_major(precision, o_transposed):
+@pytest.mark.parametrize("precision, o_transposed", [("tf32", False), ("fp32", True), ("fp16", True)])
+def test_an_fp16_o_is_only_for_the_half_modes_row_major(precision, o_transposed):
     from cupy_xattn.attention_bwd import AttentionBackward
     from cupy_xattn.checks import Problem
     with pytest.raises(ValueError, match="fp16 O"):
@@ -951,15 +953,15 @@ def test_a_scaler_group_rejects_malformed_tensors(tensor, match):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
-def test_fp16_dwo_runs_beside_the_second_conversion(gpu, precision):
-    """fp16: dWo = dY^T O reads the attention's fp16 O and the first conversion's dY, so it is forked
-    onto lane 2 right after the attention (its alpha written by the attention); fp32's O goes
-    through the second conversion, so its dWo comes after it."""
+def test_dwo_runs_beside_the_second_conversion(gpu, precision):
+    """dWo = dY^T O reads the attention's fp16 O (fp32: and its remainder) and the first conversion's
+    dY, so it is forked onto lane 2 right after the attention (its alpha written by the attention)."""
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     program = backward.Backward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, gpu.null, 132)
     steps = [(label, lane) for label, _, lane in program._steps]
     attention = steps.index(("attention", 0))
     second_copy = next(i for i in range(attention, len(steps)) if steps[i][0].startswith("to fp16"))
-    expected = [("fork", 0), ("gemm 128x128x140", 2)] if precision == "fp16" else []
+    parts = [""] if precision == "fp16" else [" lo·hi", " hi·lo", " hi·hi"]
+    expected = [("fork", 0)] + [("gemm 128x128x140" + part, 2) for part in parts]
     assert steps[attention + 1:second_copy] == expected

@@ -1,0 +1,24 @@
+// fp32 ↔ fp16 by PTX (not cuda_fp16.h, so that NVRTC needs no toolkit headers), round to nearest.
+
+// fp16 of lo in the low half (first in memory), of hi in the high half.
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// x rounded to fp16 and back.
+__device__ __forceinline__ float half_round(float x) {
+    unsigned short h;
+    float r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+
+// What the fp16 copy of x leaves out (exact in fp32), the fp32 mode's remainder; 0 where x or its
+// copy is not finite (Inf − Inf would be NaN).
+__device__ __forceinline__ float remainder_of_half(float x) {
+    const float h = half_round(x);
+    return isfinite(x) && isfinite(h) ? x - h : 0.f;
+}
