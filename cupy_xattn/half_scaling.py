@@ -23,7 +23,7 @@ def _blocks(sizes, sum_cols, sm_count):
 def _rescale_blocks(sm_count):
     """Blocks of a rescale: one per two SMs. When the guesses stand (the usual run) its blocks but
     block 0 only check and leave, yet each needs a slot on an SM; beside a GEMM that holds the SMs
-    (the fp16 mode's dWo beside the second conversion) 264 blocks waited for slots (16.9 µs on the
+    (the half modes' dWo beside the second conversion) 264 blocks waited for slots (16.9 µs on the
     fp16 64x128x77 trace against ~2.5 alone). 66 blocks on the H200: fp16 suite −1.3 µs
     (docs/perf-notes.md, v41). A rewrite (when a max leaves its window) has a quarter of the blocks
     that two per SM gave it, so fewer loads in flight: slower, by how much not measured."""

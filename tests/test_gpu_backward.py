@@ -150,7 +150,7 @@ def test_half_modes_keep_o_accurate_with_padded_text_rows_far_larger_than_the_re
                               ref)
     bad = {k: v for k, v in errors.items() if not v <= EDGE_TOLERANCE[precision]}
     assert not bad, bad
-    assert errors["grad_output_weight"] <= {"fp16": 1e-3, "fp32": EDGE_TOLERANCE["fp32"]}[precision], errors
+    assert errors["grad_output_weight"] <= {"fp16": 1e-3, "fp32": 8e-5}[precision], errors  # fp32: 6.1e-5 measured
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
