@@ -201,7 +201,7 @@ class Backward:
         self._table = PointerTable()
         self._steps = []
         self._compute = COMPUTE_TYPE[precision]  # fp32: with fp16 operands, the 3xFP16 products
-        self._scaler = HalfScaler(_N_SLOTS, sm_count) if precision in ("fp16", "fp32") else None
+        self._scaler = HalfScaler(_N_SLOTS, sm_count) if _half_mode(precision) else None
         self._lo_offset = None  # fp32: bytes from an fp16 copy to its remainders (see _record)
         self._sm_count, self._column_sums = sm_count, []  # the conversions' partial column sums
         self._record(b, nv, nt, d)
@@ -219,7 +219,7 @@ class Backward:
                     + math.prod(_dkv_shape(precision, n_chunks, mt, d))
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
-        if precision != "tf32":  # the conversions' partial column sums of dY; dQ, [dK | dV]
+        if _half_mode(precision):  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
                             for rows, cols in _column_sum_shapes(stage, sm_count))
         transposed = (4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values() if shape)
