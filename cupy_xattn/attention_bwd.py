@@ -250,9 +250,12 @@ class AttentionBackward:
             max|T| ≤ 2^15 · inv_t and max|[Wk; Wv]| ≤ 2^15 · inv_w hold for the T and weights that
             kv0 was computed from, and max|bv| ≤ 2^15 · inv_bv (as for the fp16 copies' inverse
             scales, half_scaling.cu), of inv_dy, and of inv_o and alpha_o, where 1 / s_O and
-            inv_dy / s_O (the alpha of dWo = dY^T O over the fp16 copies) are written.
+            inv_dy / s_O (the alpha of dWo = dY^T O over the fp16 copies) are written; in the fp32
+            mode alpha_o is two floats, the second inv_dy / (s_O · 2^11), the alpha of dY's copy
+            times O's remainder.
         o_lo : with o_half in the fp32 mode (and only then), the device address of a float16 array
-            like ``o`` (at a multiple of 8 bytes from it) where the remainders O · s_O − fp16(O · s_O) go.
+            like ``o`` (at a multiple of 8 bytes from it, not overlapping it) where O's remainders,
+            (O · s_O − fp16(O · s_O)) · 2^11, go (attention_bwd.cu's O_LO_SCALE says why).
         """
         p = self.problem
         if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != len(O_SCALES)):
@@ -263,6 +266,9 @@ class AttentionBackward:
         lo_offset = 0 if o_lo is None else int(o_lo) - o_address
         if lo_offset % 8:
             raise ValueError(f"o_lo must be a multiple of 8 bytes from o, not {lo_offset}")
+        o_bytes = 2 * p.batch_size * p.num_video_tokens * p.hidden_size
+        if o_lo is not None and abs(lo_offset) < o_bytes:
+            raise ValueError(f"o_lo overlaps o: {lo_offset} bytes from it, within O's {o_bytes}")
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
         self._main(
             (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),

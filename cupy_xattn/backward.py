@@ -230,28 +230,30 @@ class Backward:
     # -- recording ---------------------------------------------------------------------------
 
     def _gemm(self, a, b, c, *, m, n, k, lda, ldb, ldc, trans_a=False, trans_b=False,
-              data_type=_R_32F, compute=None, alpha=None, accumulate=False, lane=0):
+              data_type=_R_32F, compute=None, alpha=None, alpha_lo_b=None, accumulate=False, lane=0):
         """Record row-major ``c[i] = alpha · op(a[i]) op(b[i]) (+ c[i])`` for each i of the batch, on ``lane``.
 
         a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
         row-major product is computed as c^T = op(b)^T op(a)^T, so b goes first.
         In the fp32 mode a product at the default compute is three fp16 GEMMs, the small terms
-        first: lo(a)·b, a·lo(b), then a·b, with a and b addresses of fp16 copies (see _record).
+        first: lo(a)·b, a·lo(b), then a·b, with a and b addresses of fp16 copies (see _record);
+        a·lo(b) takes ``alpha_lo_b`` where b's remainder has a scale of its own (O's: _record).
         """
         label = f"gemm {m}x{n}x{k}" + (f" x{len(c)}" if len(c) > 1 else "")
+        alpha = self._constants.data.ptr + 4 if alpha is None else alpha
         if self._lo_offset is None or compute is not None:
-            products = [(a, b, "")]
+            products = [(a, b, alpha, "")]
         else:
             lo = lambda entries: [entry + self._lo_offset for entry in entries]  # noqa: E731
-            products = [(lo(a), b, " lo·hi"), (a, lo(b), " hi·lo"), (a, b, " hi·hi")]
+            products = [(lo(a), b, alpha, " lo·hi"), (a, lo(b), alpha_lo_b or alpha, " hi·lo"),
+                        (a, b, alpha, " hi·hi")]
         compute = self._compute if compute is None else compute
-        alpha = self._constants.data.ptr + 4 if alpha is None else alpha
         table, handle = self._table, self._handles[lane]
-        for i, (a, b, part) in enumerate(products):
+        for i, (a, b, alpha, part) in enumerate(products):
             slot_b, slot_a, slot_c = self._table.add(*b), self._table.add(*a), self._table.add(*c)
             beta = self._constants.data.ptr + 4 * int(accumulate or i > 0)
-            self._steps.append((label + part, lambda slot_a=slot_a, slot_b=slot_b, slot_c=slot_c, beta=beta:
-                                handle.gemm_batched(
+            self._steps.append((label + part, lambda slot_a=slot_a, slot_b=slot_b, slot_c=slot_c, alpha=alpha,
+                                beta=beta: handle.gemm_batched(
                                     OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
                                     table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
                                     beta, table.address(slot_c), _R_32F, ldc, len(c), compute), lane))
@@ -303,8 +305,9 @@ class Backward:
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
              **half)
         self._join()
-        # dWo's alpha, written by the attention (see below)
-        inv, self._alpha_o = self._scaler.inverse_scale, cupy.empty(1, numpy.float32)
+        # dWo's alpha, written by the attention (see below); fp32: and the alpha of the product of
+        # O's remainder, which the attention writes at a scale of its own
+        inv, self._alpha_o = self._scaler.inverse_scale, cupy.empty(2, numpy.float32)
         self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_DY), inv(_O), addr(self._alpha_o)),
                         None if self._lo_offset is None else O + self._lo_offset)
         self._record_attention()
@@ -313,7 +316,7 @@ class Backward:
         # with the alpha the attention leaves, not the one that conversion's rescale sets.
         self._fork()
         gemm([DY], [O], ["grad_output_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-             alpha=addr(self._alpha_o), lane=2, **half)
+             alpha=addr(self._alpha_o), alpha_lo_b=addr(self._alpha_o, 4), lane=2, **half)
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
         self._fork()

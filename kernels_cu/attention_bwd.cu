@@ -14,7 +14,8 @@
 //                     aligned rows): the tf32 mode's dWo = dY^T O then reads both operands
 //                     K-major (transpose.cu says why); with ATTN_O_HALF it is fp16, O · s_O
 //                     (o_half_scale), the operand of the fp16 and fp32 modes' dWo GEMMs (fp32, the
-//                     3xTF32 build: with its fp16 remainder at o + o_lo_offset, as half_scaling.cu's)
+//                     3xTF32 build: with its fp16 remainder at o + o_lo_offset, at O_LO_SCALE
+//                     times O's scale, see store_o)
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce,
 //                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
@@ -214,9 +215,16 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
     return h;
 }
 
+// The fp32 mode's O remainder, O · s_O − fp16(O · s_O), is stored times 2^11: s_O comes from a
+// loose bound (o_half_scale), so O · s_O sits ~2^-12 under it or lower, and its remainder, 2^-11
+// of that, would be an fp16 subnormal with few bits left (the conversions' remainders are not
+// scaled: their scale is set by the tensor's own maximum). 2^11 keeps the remainder under O's
+// bound, so it cannot overflow; dWo's product of that remainder takes alpha_o[1] (publish_o_scale).
+constexpr float O_LO_SCALE = 2048.f;
+
 // This warp's 16 rows of O (its first NT·8 columns): rows of o, or columns of O^T with
 // ATTN_O_TRANSPOSED (row stride ld either way), or rows of fp16 O · s_o with ATTN_O_HALF (and with
-// ATTN_SPLIT3, the fp32 mode, their remainders at o + lo_offset: half_scaling.cu's hi/lo pair);
+// ATTN_SPLIT3, the fp32 mode, their remainders times O_LO_SCALE at o + lo_offset);
 // n_rows = Nv, o already offset to the (batch, head) and to the warp's first column.
 template <int NT = ATTN_HEAD_DIM / 8>
 __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, const float c[NT][4], int g, int t,
@@ -246,8 +254,9 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
             const float b0 = c[n + 1][2 * h] * s_o, b1 = c[n + 1][2 * h + 1] * s_o;
             store_sector(dst, row < n_rows, a0, a1, b0, b1);
             if (ATTN_SPLIT3)
-                store_sector(dst + lo_offset, row < n_rows, remainder_of_half(a0), remainder_of_half(a1),
-                             remainder_of_half(b0), remainder_of_half(b1));
+                store_sector(dst + lo_offset, row < n_rows, remainder_of_half(a0) * O_LO_SCALE,
+                             remainder_of_half(a1) * O_LO_SCALE, remainder_of_half(b0) * O_LO_SCALE,
+                             remainder_of_half(b1) * O_LO_SCALE);
         }
     }
 #elif ATTN_O_TRANSPOSED
@@ -279,15 +288,17 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 }
 
 // Block (0, 0, 0) leaves 1 / s_O in inv_o (the scale of O's slot, for the alphas the second
-// conversion sets) and dWo's alpha, inv_dy / s_O, in alpha_o: so dWo = dY^T O can run as soon as
-// this kernel ends, beside that conversion. The same product as the alpha table's (the same bits).
+// conversion sets) and dWo's alpha, inv_dy / s_O, in alpha_o[0]: so dWo = dY^T O can run as soon
+// as this kernel ends, beside that conversion. The same product as the alpha table's (the same
+// bits). The fp32 mode's also takes alpha_o[1] = alpha_o[0] / O_LO_SCALE, for dY's copy times O's remainder.
 __device__ __forceinline__ void publish_o_scale(int hidden, const float* inv_t, const float* inv_w,
                                                 const float* inv_bv, const float* inv_dy, float* inv_o,
                                                 float* alpha_o) {
     if (ATTN_O_HALF && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
         const float inv = 1.f / o_half_scale(hidden, inv_t, inv_w, inv_bv);
         *inv_o = inv;
-        *alpha_o = *inv_dy * inv;
+        alpha_o[0] = *inv_dy * inv;
+        if (ATTN_SPLIT3) alpha_o[1] = alpha_o[0] / O_LO_SCALE;
     }
 }
 

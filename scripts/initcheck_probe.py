@@ -51,9 +51,9 @@ def probe_attention(shape, precision):
     # As the backward runs it: tf32 writes O^T (D rows of stride o_t_stride(B·Nv), the first B·Nv
     # columns) from 1024 video rows, O below; both here, whatever the shape. fp16 and fp32 write O as
     # fp16 (fp32: and its remainder) at a scale from a bound on |V| (inverse scales of T, the weights
-    # and bv: 2^-15, 2^-10, 2^-12 bound max|V| by hidden · 32 + 8 here).
+    # and bv: 2^-15, 2^-10, 2^-12 bound max|V| by hidden · 32 + 8 here); inv_o, alpha_o (fp32: two) written.
     o_half = precision != "tf32"
-    o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, 2.0 ** -3, numpy.nan, numpy.nan], numpy.float32)
+    o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, 2.0 ** -3] + [numpy.nan] * 3, numpy.float32)
                 if o_half else None)
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
     for o_transposed, lengths in itertools.product(

@@ -40,8 +40,8 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         o = o.astype(numpy.float16)
         inv_w = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(kv0[:, hidden:]).max() / hidden)) - 14)
         inv_bv = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(bv).max())) - 15)
-        # inv_t, inv_w, inv_bv, inv_dy; inv_o and alpha_o written by the kernel
-        half_scales = cupy.array([2.0 ** -15, inv_w, inv_bv, 2.0 ** -3, numpy.nan, numpy.nan], numpy.float32)
+        # inv_t, inv_w, inv_bv, inv_dy; inv_o and alpha_o written by the kernel (fp32: two alphas)
+        half_scales = cupy.array([2.0 ** -15, inv_w, inv_bv, 2.0 ** -3] + [numpy.nan] * 3, numpy.float32)
         o_scales = tuple(half_scales.data.ptr + 4 * i for i in range(6))
         if precision == "fp32":  # and the remainders (a separate poisoned array)
             o_lo = o.copy()
@@ -64,12 +64,13 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     got_o = cupy.asnumpy(o)[:, :rows].T if o_transposed else cupy.asnumpy(o)
     if o_half:  # inv_o = 1 / s_O, s_O = 2^(14 − e) for the bound < 2^e (the kernel's float32 arithmetic)
         bound = numpy.float32(2) * numpy.float32(hidden * 2.0 ** 30 * 2.0 ** -15 * inv_w + 2.0 ** 15 * inv_bv)
-        inv_o, alpha_o = cupy.asnumpy(half_scales)[4:]
+        inv_o, alpha_o, alpha_lo = cupy.asnumpy(half_scales)[4:]
         assert inv_o == 2.0 ** (numpy.frexp(bound)[1] - 14) and alpha_o == inv_o * 2.0 ** -3, (inv_o, alpha_o, bound)
+        assert alpha_lo == alpha_o * 2.0 ** -11 if o_lo is not None else numpy.isnan(alpha_lo), alpha_lo
         assert numpy.abs(got_o.astype(numpy.float64)).max() < 2.0 ** 14
         got_o = got_o.astype(numpy.float64) * inv_o
-        if o_lo is not None:  # without the remainders, O would be off by up to 2^-12 of its largest element
-            got_o += cupy.asnumpy(o_lo).astype(numpy.float64) * inv_o
+        if o_lo is not None:  # without the remainders (at 2^11 times O's scale), O would be off by up to 2^-12
+            got_o += cupy.asnumpy(o_lo).astype(numpy.float64) * inv_o * 2.0 ** -11
     pairs = {"O": (got_o, ref_o), "dQ": (cupy.asnumpy(dq), ref_dq),
              "dK": (got_dkv[..., :hidden], ref_dk), "dV": (got_dkv[..., hidden:], ref_dv)}
     scale_dq = numpy.abs(ref_dv).max()  # dQ and dK are exactly 0 when n_text = 1
@@ -80,8 +81,12 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("precision, o_lo_offset, match", [("fp32", None, "o_lo"), ("fp16", 0, "o_lo"),
-                                                        ("fp32", 6, "multiple of 8")])
+O_BYTES = 2 * 64 * 1024  # the fp16 O of the problem below
+
+
+@pytest.mark.parametrize("precision, o_lo_offset, match", [
+    ("fp32", None, "o_lo"), ("fp16", O_BYTES, "o_lo"), ("fp32", O_BYTES + 6, "multiple of 8"),
+    ("fp32", O_BYTES - 8, "overlaps"), ("fp32", 8 - O_BYTES, "overlaps"), ("fp32", 0, "overlaps")])
 def test_o_remainders_go_with_the_fp32_mode_fp16_o(precision, o_lo_offset, match):
     import cupy
     problem = Problem(1, 64, 77, 1024, 16, 64, 0.125)
@@ -92,7 +97,7 @@ def test_o_remainders_go_with_the_fp32_mode_fp16_o(precision, o_lo_offset, match
     with pytest.raises(ValueError, match=match):
         kernel(f32(64, 1024), f32(77, 2048), f32(3).data.ptr, f32(64, 1024), o, f32(64, 1024), f32(77, 2048),
                o_scales=tuple(scales.data.ptr + 4 * i for i in range(6)),
-               o_lo=None if o_lo_offset is None else o.data.ptr + 8 * o.size + o_lo_offset)
+               o_lo=None if o_lo_offset is None else o.data.ptr + o_lo_offset)
 
 
 # The resident kernel, the resident kernel with its keys split (128 blocks: one tile an SM), the streamed kernel.

@@ -294,9 +294,11 @@ def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, s
 
     products = [(lane, args) for lane, args in calls if args[7] == R_16F]
     assert len(products) == 24  # 8 products (dWo and dWq apart: alphas differ), three GEMMs each
+    dwo = program._alpha_o.data.ptr  # dWo's hi·lo reads O's remainder, at a scale of its own
     for i in range(0, len(products), 3):
         (lane_1, lo_hi), (lane_2, hi_lo), (lane_3, hi_hi) = products[i:i + 3]
-        assert lane_1 == lane_2 == lane_3 and lo_hi[5] == hi_lo[5] == hi_hi[5]  # one lane, one alpha
+        assert lane_1 == lane_2 == lane_3 and lo_hi[5] == hi_hi[5]  # one lane, one alpha
+        assert hi_lo[5] == (dwo + 4 if hi_hi[5] == dwo else hi_hi[5])
         assert [g[12] for g in (lo_hi, hi_lo, hi_hi)] == [one - 4, one, one]  # beta 0, then accumulate
         batch = hi_hi[-2]
         b, a, c = (operands(hi_hi[k], batch) for k in (6, 9, 13))  # cuBLAS gets b first (column-major)
@@ -771,8 +773,10 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     dwo = [args for args in calls if _table_entries(program, args[13], args[16]) == ["grad_output_weight"]]
     dy_copy = stage_a[n_a + 6]  # the first group's destinations: X, T, Wq, Wk, Wv, Wo, dY, bv
     lo = [program._lo_offset] if precision == "fp32" else []  # fp32: lo·hi, hi·lo, then hi·hi
+    alpha = scale_args[-1]  # hi·lo's: the second float, for O's remainder at its own scale
     assert [(_table_entries(program, args[9], 1), _table_entries(program, args[6], 1), args[5]) for args in dwo] == [
-        ([dy_copy + a], [o_copy + b], scale_args[-1]) for a, b in ([(lo[0], 0), (0, lo[0])] if lo else []) + [(0, 0)]]
+        ([dy_copy + a], [o_copy + b], alpha + 4 * bool(b))
+        for a, b in ([(lo[0], 0), (0, lo[0])] if lo else []) + [(0, 0)]]
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
