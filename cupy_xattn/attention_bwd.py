@@ -171,8 +171,8 @@ class AttentionBackward:
     o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
     o_half : write O as fp16, O · s_O, at a power-of-two scale set from a bound on |V| (ATTN_O_HALF,
         the operand of dWo in the fp16 and fp32 modes, where the fp32 mode's kernel also writes its
-        fp16 remainder, as the conversions do: half_scaling.cu): calls then pass ``o_scales``
-        (fp32: and ``o_lo``).
+        fp16 remainder, at 2^11 times that scale: attention_bwd.cu's O_LO_SCALE): calls then pass
+        ``o_scales`` (fp32: and ``o_lo``).
     reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
         :attr:`partials` (the fp16 and fp32 modes' conversion does, reading them once).
     """

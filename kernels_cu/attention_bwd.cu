@@ -215,11 +215,15 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* 
     return h;
 }
 
-// The fp32 mode's O remainder, O · s_O − fp16(O · s_O), is stored times 2^11: s_O comes from a
-// loose bound (o_half_scale), so O · s_O sits ~2^-12 under it or lower, and its remainder, 2^-11
-// of that, would be an fp16 subnormal with few bits left (the conversions' remainders are not
-// scaled: their scale is set by the tensor's own maximum). 2^11 keeps the remainder under O's
-// bound, so it cannot overflow; dWo's product of that remainder takes alpha_o[1] (publish_o_scale).
+// The fp32 mode's O remainder, O · s_O − fp16(O · s_O), is stored times 2^11. s_O comes from a
+// loose bound (o_half_scale): O · s_O peaks near 2^2 on benchmark-like inputs, 2^-e lower where
+// padded text rows or Wk raise the bound 2^e. A remainder is at most 2^-11 of its element, so
+// unscaled it is an fp16 subnormal (bits lost) for elements under 2^-3: every element of O from
+// e ≈ 5 on (fp32's dWo error at e = 12: 6.1e-5 unscaled, 1.3e-6 scaled). The conversions'
+// remainders are not scaled: their scale comes from the tensor's own maximum. Scaled, a remainder
+// is still at most its element, under 2^14: no overflow. dWo's product of it takes alpha_o[1] =
+// alpha_o[0] / 2^11 (publish_o_scale), which flush-to-zero makes 0 below 2^-115: dY ~2^-100 below
+// its usual size, where the fp32 mode's other alphas flush too (README).
 constexpr float O_LO_SCALE = 2048.f;
 
 // This warp's 16 rows of O (its first NT·8 columns): rows of o, or columns of O^T with

@@ -86,18 +86,29 @@ O_BYTES = 2 * 64 * 1024  # the fp16 O of the problem below
 
 @pytest.mark.parametrize("precision, o_lo_offset, match", [
     ("fp32", None, "o_lo"), ("fp16", O_BYTES, "o_lo"), ("fp32", O_BYTES + 6, "multiple of 8"),
-    ("fp32", O_BYTES - 8, "overlaps"), ("fp32", 8 - O_BYTES, "overlaps"), ("fp32", 0, "overlaps")])
+    ("fp32", O_BYTES - 8, "overlaps"), ("fp32", 8 - O_BYTES, "overlaps"), ("fp32", 0, "overlaps"),
+    ("fp32", O_BYTES, None), ("fp32", -O_BYTES, None)])  # None: accepted, O's neighbours either side
 def test_o_remainders_go_with_the_fp32_mode_fp16_o(precision, o_lo_offset, match):
     import cupy
     problem = Problem(1, 64, 77, 1024, 16, 64, 0.125)
     kernel = attention_bwd.AttentionBackward(problem, precision, 132, o_half=True)
     f32 = lambda *shape: cupy.zeros(shape, numpy.float32)  # noqa: E731
-    o = cupy.zeros((64, 1024), numpy.float16)
-    scales = f32(6)
+    # O is the middle third of one buffer: a remainder a check let through is written inside it.
+    thirds = cupy.zeros((3, 64, 1024), numpy.float16)
+    o = thirds[1]
+    bias = f32(1024)
+    biases = cupy.array([bias.data.ptr] * 3, numpy.uint64)
+    scales = cupy.array([2.0 ** -15] * 3 + [1.0] + [numpy.nan] * 3, numpy.float32)  # inv_o, two alphas written
+    call = lambda: kernel(f32(64, 1024), f32(77, 2048), biases.data.ptr, f32(64, 1024), o, f32(64, 1024),  # noqa: E731
+                          f32(77, 2048), o_scales=tuple(scales.data.ptr + 4 * i for i in range(6)),
+                          o_lo=None if o_lo_offset is None else o.data.ptr + o_lo_offset)
+    if match is None:
+        call()
+        cupy.cuda.Device().synchronize()
+        assert not bool(cupy.isnan(thirds).any())  # zeros in, zeros out: O and its remainder
+        return
     with pytest.raises(ValueError, match=match):
-        kernel(f32(64, 1024), f32(77, 2048), f32(3).data.ptr, f32(64, 1024), o, f32(64, 1024), f32(77, 2048),
-               o_scales=tuple(scales.data.ptr + 4 * i for i in range(6)),
-               o_lo=None if o_lo_offset is None else o.data.ptr + o_lo_offset)
+        call()
 
 
 # The resident kernel, the resident kernel with its keys split (128 blocks: one tile an SM), the streamed kernel.

@@ -141,7 +141,7 @@ def test_half_modes_keep_o_accurate_with_padded_text_rows_far_larger_than_the_re
     # them). At e = 12 O's fp16 copy peaks near 2^-10, still in fp16's normal range (from 2^-14):
     # dWo keeps its usual error (fp16 ~4e-4). fp32's remainders, stored at 2^11 times O's scale,
     # stay normal there too; at e = 20 O's copy is subnormal (fp16's dWo would be off by ~1e-2,
-    # README) and the remainder holds what it loses, to ~2^-35 of O's bound.
+    # README) and the remainder holds what it loses, to ~2^-18 of max|O|.
     case = cases.Case(2, 130, 77, atol=0.0)
     inputs, _ = _case_data(case, 4)
     text = inputs["text_embeddings"].copy()

@@ -297,8 +297,8 @@ def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, s
     dwo = program._alpha_o.data.ptr  # dWo's hi·lo reads O's remainder, at a scale of its own
     for i in range(0, len(products), 3):
         (lane_1, lo_hi), (lane_2, hi_lo), (lane_3, hi_hi) = products[i:i + 3]
-        assert lane_1 == lane_2 == lane_3 and lo_hi[5] == hi_hi[5]  # one lane, one alpha
-        assert hi_lo[5] == (dwo + 4 if hi_hi[5] == dwo else hi_hi[5])
+        assert lane_1 == lane_2 == lane_3 and lo_hi[5] == hi_hi[5]  # one lane; lo·hi and hi·hi share an alpha
+        assert hi_lo[5] == (dwo + 4 if hi_hi[5] == dwo else hi_hi[5])  # hi·lo too, but dWo's
         assert [g[12] for g in (lo_hi, hi_lo, hi_hi)] == [one - 4, one, one]  # beta 0, then accumulate
         batch = hi_hi[-2]
         b, a, c = (operands(hi_hi[k], batch) for k in (6, 9, 13))  # cuBLAS gets b first (column-major)
