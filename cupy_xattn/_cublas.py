@@ -41,6 +41,7 @@ def _library():
                 "cublasSetStream_v2": [_c_void_p, _c_void_p],
                 "cublasSetWorkspace_v2": [_c_void_p, _c_void_p, _c_size_t],
                 "cublasSetPointerMode_v2": [_c_void_p, _c_int],
+                "cublasSetSmCountTarget": [_c_void_p, _c_int],
                 "cublasGemmBatchedEx": [_c_void_p, _c_int, _c_int, _c_int, _c_int, _c_int, _c_void_p,
                                         _c_void_p, _c_int, _c_int, _c_void_p, _c_int, _c_int, _c_void_p,
                                         _c_void_p, _c_int, _c_int, _c_int, _c_int, _c_int],
@@ -77,8 +78,11 @@ class Handle:
         _check(self._lib.cublasSetPointerMode_v2(self._handle, POINTER_MODE_DEVICE), "cublasSetPointerMode")
 
     def gemm_batched(self, trans_a, trans_b, m, n, k, alpha, a_array, a_type, lda, b_array, b_type, ldb,
-                     beta, c_array, c_type, ldc, batch, compute):
-        """Column-major ``cublasGemmBatchedEx``; every pointer argument is a device address."""
+                     beta, c_array, c_type, ldc, batch, compute, sm_target=0):
+        """Column-major ``cublasGemmBatchedEx``; every pointer argument is a device address.
+        ``sm_target``: the SMs cuBLAS's heuristics plan the product for (cublasSetSmCountTarget;
+        0: all of them), for a product that runs beside others."""
+        _check(self._lib.cublasSetSmCountTarget(self._handle, sm_target), "cublasSetSmCountTarget")
         _check(self._lib.cublasGemmBatchedEx(
             self._handle, trans_a, trans_b, m, n, k, _c_void_p(alpha), _c_void_p(a_array), a_type, lda,
             _c_void_p(b_array), b_type, ldb, _c_void_p(beta), _c_void_p(c_array), c_type, ldc,

@@ -103,6 +103,18 @@ def _tf32_shapes(mv, mt, d):
             "video_sums": (2, tiles_v, d) if video_tn else None,  # column sums of dY, dQ by row blocks
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
+
+def _sm_shares(mv, d, sm_count):
+    """SMs cuBLAS is told to plan for (cublasSetSmCountTarget) in the half modes, for the three
+    projections side by side and for the two lanes of GEMMs after the second conversion; 0: all.
+    Only where a projection's output holds at most a quarter as many 128 × 128 tiles as there are
+    SMs: there cuBLAS cut each product into small tiles to fill every SM, against the GEMMs beside
+    it, and planned for its share it takes larger ones (perf-notes v44: fp32 −12 to −22 µs a case at
+    B·Nv = 512, fp16 −2 to −6; larger problems were slower with it, and so was tf32 everywhere)."""
+    small = 4 * mv * d <= sm_count * 128 * 128
+    return (sm_count // 3, sm_count // 2) if small else (0, 0)
+
+
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
 _X, _T, _WQ, _WKV, _WO, _DY, _O, _DQ, _DKV, _BV = range(10)  # _BV: for max|bv| (the O bound)
 _VIDEO_BIASES, _TEXT_BIASES = ["grad_output_bias", "grad_query_bias"], ["grad_key_bias", "grad_value_bias"]
@@ -230,7 +242,7 @@ class Backward:
     # -- recording ---------------------------------------------------------------------------
 
     def _gemm(self, a, b, c, *, m, n, k, lda, ldb, ldc, trans_a=False, trans_b=False,
-              data_type=_R_32F, compute=None, alpha=None, alpha_lo_b=None, accumulate=False, lane=0):
+              data_type=_R_32F, compute=None, alpha=None, alpha_lo_b=None, accumulate=False, lane=0, sm_target=0):
         """Record row-major ``c[i] = alpha · op(a[i]) op(b[i]) (+ c[i])`` for each i of the batch, on ``lane``.
 
         a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
@@ -238,6 +250,7 @@ class Backward:
         In the fp32 mode a product at the default compute is three fp16 GEMMs, the small terms
         first: lo(a)·b, a·lo(b), then a·b, with a and b addresses of fp16 copies (see _record);
         a·lo(b) takes ``alpha_lo_b`` where b's remainder has a scale of its own (O's: _record).
+        ``sm_target``: the SMs cuBLAS plans the product for (_sm_shares; 0: all).
         """
         label = f"gemm {m}x{n}x{k}" + (f" x{len(c)}" if len(c) > 1 else "")
         alpha = self._constants.data.ptr + 4 if alpha is None else alpha
@@ -256,7 +269,8 @@ class Backward:
                                 beta=beta: handle.gemm_batched(
                                     OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
                                     table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
-                                    beta, table.address(slot_c), _R_32F, ldc, len(c), compute), lane))
+                                    beta, table.address(slot_c), _R_32F, ldc, len(c), compute,
+                                    sm_target=sm_target), lane))
 
     def _fork(self):
         """Record: the side lanes wait for everything issued so far on the main lane."""
@@ -296,14 +310,15 @@ class Backward:
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
+        third_of_sms, half_of_sms = _sm_shares(mv, d, self._sm_count)
 
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
-             alpha=alpha(_X, _WQ), **half)
+             alpha=alpha(_X, _WQ), sm_target=third_of_sms, **half)
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, 4 * d)], m=mt, n=d, k=d, lda=d, ldb=d,
-             ldc=2 * d, trans_b=True, alpha=alpha(_T, _WKV), lane=1, **half)
+             ldc=2 * d, trans_b=True, alpha=alpha(_T, _WKV), lane=1, sm_target=third_of_sms, **half)
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
-             **half)
+             sm_target=third_of_sms, **half)
         self._join()
         # dWo's alpha, written by the attention (see below); fp32: and the alpha of the product of
         # O's remainder, which the attention writes at a scale of its own
@@ -320,14 +335,15 @@ class Backward:
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
         self._fork()
-        gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ), **half)
+        gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ),
+             sm_target=half_of_sms, **half)
         gemm([DQ], [X], ["grad_query_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-             alpha=alpha(_DQ, _X), **half)
+             alpha=alpha(_DQ, _X), sm_target=half_of_sms, **half)
         # [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
         gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
-             alpha=alpha(_DKV, _WKV), lane=1, **half)
+             alpha=alpha(_DKV, _WKV), lane=1, sm_target=half_of_sms, **half)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
-             lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, **half)
+             lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, sm_target=half_of_sms, **half)
         # Bias gradients: the partial column sums the conversions wrote (of the fp32 tensors), added up.
         if rows_a == rows_b:
             self._record_column_sums([dy_sums, dq_sums], _VIDEO_BIASES, rows_a, d, lane=2)

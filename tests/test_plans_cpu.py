@@ -216,7 +216,8 @@ def gpu(monkeypatch):
         def __init__(self, stream):
             self.stream = stream
 
-        def gemm_batched(self, *args):
+        def gemm_batched(self, *args, sm_target=0):
+            assert 0 <= sm_target <= 132, sm_target  # cuBLAS takes at most the device's SMs
             if log.refuse_in_capture and self.stream.capturing:
                 log.invalidated = True
                 raise _cublas.CublasError("refused during capture")
@@ -280,9 +281,9 @@ def test_fp32_products_are_three_gemms_over_hi_and_lo_copies(gpu, monkeypatch, s
     calls = []
 
     class RecordingHandle(backward._cublas.Handle):
-        def gemm_batched(self, *args):
+        def gemm_batched(self, *args, sm_target=0):
             calls.append((self.stream.ptr, args))
-            super().gemm_batched(*args)
+            super().gemm_batched(*args, sm_target=sm_target)
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
     program = backward.Backward(Problem(*shape, 128, 2, 64, 0.125), "fp32", gpu.null, 132)
     program.run()
@@ -633,15 +634,18 @@ def _table_entries(program, address, count):
     return program._table._entries[first:first + count]
 
 
-def _recording_cublas(monkeypatch):
-    """The list that the arguments of every cuBLAS batched GEMM call will be appended to."""
+def _recording_cublas(monkeypatch, sm_targets=None):
+    """The list that the arguments of every cuBLAS batched GEMM call will be appended to (and each
+    call's sm_target to ``sm_targets``, where given)."""
     from cupy_xattn import backward
     calls = []
 
     class RecordingHandle(backward._cublas.Handle):
-        def gemm_batched(self, *args):
+        def gemm_batched(self, *args, sm_target=0):
             calls.append(args)
-            super().gemm_batched(*args)
+            if sm_targets is not None:
+                sm_targets.append(sm_target)
+            super().gemm_batched(*args, sm_target=sm_target)
     monkeypatch.setattr(backward._cublas, "Handle", RecordingHandle)
     return calls
 
@@ -777,6 +781,24 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     assert [(_table_entries(program, args[9], 1), _table_entries(program, args[6], 1), args[5]) for args in dwo] == [
         ([dy_copy + a], [o_copy + b], alpha + 4 * bool(b))
         for a, b in ([(lo[0], 0), (0, lo[0])] if lo else []) + [(0, 0)]]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(2, 256, 77), (1, 528, 77), (1, 529, 77), (64, 128, 77)])
+def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypatch, precision, shape):
+    # B·Nv · D ≤ 132 · 128² / 4 (a projection's output at most 33 tiles of 128 × 128): the three
+    # projections plan for a third of the SMs, the four GEMMs of the last two lanes for half; the
+    # rest (dWo, the bias sums) and every larger problem, and tf32, for all of them.
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    sm_targets = []
+    _recording_cublas(monkeypatch, sm_targets)
+    program = backward.Backward(Problem(*shape, 1024, 16, 64, 0.125), precision, gpu.null, 132)
+    program.run()
+    small = precision != "tf32" and shape[0] * shape[1] <= 528
+    products = {"fp16": 1, "fp32": 3, "tf32": 1}[precision]  # fp32: three fp16 GEMMs a product
+    expected = {44: 3 * products, 66: 4 * products} if small else {}
+    assert {n: sm_targets.count(n) for n in set(sm_targets) - {0}} == expected, sm_targets
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
