@@ -1,0 +1,58 @@
+"""Which of the backward's GEMMs gain from a cuBLAS SM count target (cublasSetSmCountTarget), one
+product at a time: the sweep's time of one case (cold L2, median) with the plan as it is, then
+with the target of a single recorded product (`backward.Backward._gemm`, in recording order; the
+fp32 mode's three GEMMs of a product together) set to each share of the SMs.
+
+Usage: PYTHONPATH=. python3 scripts/sm_share_probe.py 2x256x77 tf32 [--shares 0.33,0.5,0.67] [--reps 20]
+"""
+import argparse
+
+from cupy_xattn import backward, bench, cases, plans
+
+
+def main():
+    import cupy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape")
+    parser.add_argument("precision", choices=["tf32", "fp16", "fp32"])
+    parser.add_argument("--shares", default="0.33,0.5,0.67", help="fractions of the SMs to try, comma-separated")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    case = cases.parse_shape(args.shape, atol=0.0)
+    shares = [float(s) for s in args.shares.split(",")]
+    sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+    recorded, override = [], {}  # the products' labels in recording order; {index: sm_target}
+    gemm = backward.Backward._gemm
+
+    def probed_gemm(self, a, b, c, **kw):
+        index = len(recorded)
+        recorded.append((f"{kw['m']}x{kw['n']}x{kw['k']} lane {kw.get('lane', 0)}", kw.get("sm_target", 0)))
+        if index in override:
+            kw["sm_target"] = override[index]
+        gemm(self, a, b, c, **kw)
+
+    def time_plan():
+        recorded.clear()
+        plans._cache.clear()  # a new plan: the products are recorded (and planned by cuBLAS) again
+        result = bench.run_sweep([case], precisions=(args.precision,), reps=args.reps, warmup=5)
+        return result["rows"][0]["median_us"]
+
+    backward.Backward._gemm = probed_gemm
+    base = time_plan()
+    products = list(recorded)
+    print(f"{args.shape} {args.precision}: {base:.1f} us as planned; {sm_count} SMs")
+    print(f"{'#':>3} {'product (m x n x k)':>24} {'target now':>10} " + " ".join(f"{s:>8.2f}" for s in shares))
+    for index, (label, now) in enumerate(products):
+        deltas = []
+        for share in shares:
+            override.clear()
+            override[index] = max(1, round(share * sm_count))
+            deltas.append(time_plan() - base)
+        print(f"{index:>3} {label:>24} {now:>10} " + " ".join(f"{d:>+8.1f}" for d in deltas), flush=True)
+    override.clear()
+    print(f"as planned again: {time_plan() - base:+.1f} us (the drift between measurements)")
+
+
+if __name__ == "__main__":
+    main()
