@@ -104,14 +104,15 @@ def _tf32_shapes(mv, mt, d):
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 
-def _sm_shares(mv, d, sm_count):
+def _sm_shares(mv, mt, d, sm_count):
     """SMs cuBLAS is told to plan for (cublasSetSmCountTarget) in the half modes, for the three
     projections side by side and for the two lanes of GEMMs after the second conversion; 0: all.
-    Only where a projection's output holds at most a quarter as many 128 × 128 tiles as there are
-    SMs: there cuBLAS cut each product into small tiles to fill every SM, against the GEMMs beside
-    it, and planned for its share it takes larger ones (perf-notes v44: fp32 −12 to −22 µs a case at
-    B·Nv = 512, fp16 −2 to −6; larger problems were slower with it, and so was tf32 everywhere)."""
-    small = 4 * mv * d <= sm_count * 128 * 128
+    Only where Q0's output (B·Nv × D) holds at most a quarter as many 128 × 128 tiles as there are
+    SMs and [K0 | V0]'s (B·Nt × 2D) at most half: planned for every SM, each of these small
+    products presumably takes tiles small enough to fill them all, against the GEMMs beside it
+    (kernel names not checked; perf-notes v44: fp32 −12 to −22 µs a case at B·Nv = 512, fp16 −2
+    to −6; larger problems were slower with it, and so was tf32 everywhere)."""
+    small = 4 * max(mv, mt) * d <= sm_count * 128 * 128
     return (sm_count // 3, sm_count // 2) if small else (0, 0)
 
 
@@ -310,7 +311,7 @@ class Backward:
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
-        third_of_sms, half_of_sms = _sm_shares(mv, d, self._sm_count)
+        third_of_sms, half_of_sms = _sm_shares(mv, mt, d, self._sm_count)
 
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,

@@ -784,21 +784,32 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
-@pytest.mark.parametrize("shape", [(2, 256, 77), (1, 528, 77), (1, 529, 77), (64, 128, 77)])
+@pytest.mark.parametrize("shape", [(2, 256, 77), (1, 528, 77), (1, 529, 77), (1, 128, 528), (1, 128, 529),
+                                   (64, 128, 77)])
 def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypatch, precision, shape):
-    # B·Nv · D ≤ 132 · 128² / 4 (a projection's output at most 33 tiles of 128 × 128): the three
-    # projections plan for a third of the SMs, the four GEMMs of the last two lanes for half; the
-    # rest (dWo, the bias sums) and every larger problem, and tf32, for all of them.
+    # B·Nv and B·Nt ≤ 132 · 128² / (4 · D) = 528 (Q0's output at most 33 tiles of 128 × 128, [K0 | V0]'s
+    # 66): the three projections plan for a third of the SMs, the four GEMMs of the last two lanes
+    # for half; dWo and the bias sums, every larger problem, and tf32, for all of them (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     sm_targets = []
-    _recording_cublas(monkeypatch, sm_targets)
+    calls = _recording_cublas(monkeypatch, sm_targets)
     program = backward.Backward(Problem(*shape, 1024, 16, 64, 0.125), precision, gpu.null, 132)
     program.run()
-    small = precision != "tf32" and shape[0] * shape[1] <= 528
-    products = {"fp16": 1, "fp32": 3, "tf32": 1}[precision]  # fp32: three fp16 GEMMs a product
-    expected = {44: 3 * products, 66: 4 * products} if small else {}
-    assert {n: sm_targets.count(n) for n in set(sm_targets) - {0}} == expected, sm_targets
+    if precision == "tf32":
+        assert set(sm_targets) == {0}
+        return
+    b, nv, nt = shape
+    third, half = (44, 66) if b * nv <= 528 and b * nt <= 528 else (0, 0)
+    expected = {program._q0.data.ptr: third, program._kv0.data.ptr: third, program._dout.data.ptr: third,
+                "grad_video_latents": half, "grad_query_weight": half, "grad_text_embeddings": half,
+                "grad_key_weight": half}
+    got = {}
+    for args, target in zip(calls, sm_targets):
+        first = _table_entries(program, args[13], args[16])[0]  # the product's first output
+        got.setdefault(first, set()).add(target)
+    assert all(got.pop(output) == {target} for output, target in expected.items()), got
+    assert all(targets == {0} for targets in got.values()), got  # dWo, the bias sums
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
@@ -991,3 +1002,27 @@ def test_dwo_runs_beside_the_second_conversion(gpu, precision):
     parts = [""] if precision == "fp16" else [" lo·hi", " hi·lo", " hi·hi"]
     expected = [("fork", 0)] + [("gemm 128x128x140" + part, 2) for part in parts]
     assert steps[attention + 1:second_copy] == expected
+
+
+def test_every_cublas_call_sets_its_sm_target_first_zero_by_default(monkeypatch):
+    # A cuBLAS handle keeps its SM count target: each GEMM must set its own (0: the default, all
+    # SMs) right before it, or it would inherit the previous product's.
+    from types import SimpleNamespace
+
+    from cupy_xattn import _cublas
+    calls = []
+
+    class FakeLibrary:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args[1] if name == "cublasSetSmCountTarget" else None)) or 0
+
+    fake_cupy = SimpleNamespace(uint8="uint8", empty=lambda n, dtype: SimpleNamespace(data=SimpleNamespace(ptr=64)))
+    monkeypatch.setattr(_cublas, "_library", FakeLibrary)
+    monkeypatch.setattr(_cublas, "import_cupy", lambda: fake_cupy)
+    handle = _cublas.Handle(SimpleNamespace(ptr=1))
+    calls.clear()
+    gemm = (0, 0, 8, 8, 8, 0, 0, 0, 8, 0, 0, 8, 0, 0, 0, 8, 1, 0)
+    handle.gemm_batched(*gemm, sm_target=44)
+    handle.gemm_batched(*gemm)
+    assert calls == [("cublasSetSmCountTarget", 44), ("cublasGemmBatchedEx", None),
+                     ("cublasSetSmCountTarget", 0), ("cublasGemmBatchedEx", None)]
