@@ -1,9 +1,12 @@
 """Which of the backward's GEMMs gain from a cuBLAS SM count target (cublasSetSmCountTarget), one
 product at a time: the sweep's time of one case (cold L2, median) with the plan as it is, then
 with the target of a single recorded product (`backward.Backward._gemm`, in recording order; the
-fp32 mode's three GEMMs of a product together) set to each share of the SMs.
+fp32 mode's three GEMMs of a product together) set to each share of the SMs. ``--fixed`` holds
+some products' targets in every measurement (a candidate table; it is also timed against the plan
+without it); ``--shares ''`` times only that.
 
 Usage: PYTHONPATH=. python3 scripts/sm_share_probe.py 2x256x77 tf32 [--shares 0.33,0.5,0.67] [--reps 20]
+                                                      [--fixed 0:66,3:44]
 """
 import argparse
 
@@ -18,9 +21,11 @@ def main():
     parser.add_argument("precision", choices=["tf32", "fp16", "fp32"])
     parser.add_argument("--shares", default="0.33,0.5,0.67", help="fractions of the SMs to try, comma-separated")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--fixed", default="", help="INDEX:SMS,... targets held in every measurement")
     args = parser.parse_args()
     case = cases.parse_shape(args.shape, atol=0.0)
-    shares = [float(s) for s in args.shares.split(",")]
+    shares = [float(s) for s in args.shares.split(",") if s]
+    fixed = {int(i): int(n) for i, n in (item.split(":") for item in args.fixed.split(",") if item)}
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     recorded, override = [], {}  # the products' labels in recording order; {index: sm_target}
     gemm = backward.Backward._gemm
@@ -39,18 +44,26 @@ def main():
         return result["rows"][0]["median_us"]
 
     backward.Backward._gemm = probed_gemm
+    if fixed:
+        plain = time_plan()
+    override.update(fixed)
     base = time_plan()
     products = list(recorded)
-    print(f"{args.shape} {args.precision}: {base:.1f} us as planned; {sm_count} SMs")
+    print(f"{args.shape} {args.precision}: {base:.1f} us as planned{' with --fixed' if fixed else ''}; "
+          f"{sm_count} SMs" + (f"; without --fixed {plain:.1f} us" if fixed else ""))
+    if not shares:
+        return
     print(f"{'#':>3} {'product (m x n x k)':>24} {'target now':>10} " + " ".join(f"{s:>8.2f}" for s in shares))
     for index, (label, now) in enumerate(products):
         deltas = []
         for share in shares:
             override.clear()
+            override.update(fixed)
             override[index] = max(1, round(share * sm_count))
             deltas.append(time_plan() - base)
         print(f"{index:>3} {label:>24} {now:>10} " + " ".join(f"{d:>+8.1f}" for d in deltas), flush=True)
     override.clear()
+    override.update(fixed)
     print(f"as planned again: {time_plan() - base:+.1f} us (the drift between measurements)")
 
 
