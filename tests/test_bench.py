@@ -72,6 +72,57 @@ def test_derived_numbers():
     assert failed["speedup_vs_torch_tf32_graph"] is None
 
 
+def test_our_fp32_is_measured_against_a_third_of_fp16():
+    # our fp32 runs three fp16 GEMMs per product; the baselines' fp32 runs IEEE FFMA
+    rows = [_row(1, 8, 5, "fp32", bench.IMPL, 100.0, gflop=3.0),
+            _row(1, 8, 5, "fp32", "torch-fp32-graph", 100.0, gflop=3.0)]
+    ceilings = {"fp32": {"tflops": 60.0}, "fp16": {"tflops": 300.0}}
+    ours, torch = bench._fill_derived(rows, ceilings)
+    assert ours["tflops"] == torch["tflops"] == pytest.approx(30.0)
+    assert ours["fraction_of_ceiling"] == pytest.approx(30.0 / 100.0)
+    assert torch["fraction_of_ceiling"] == pytest.approx(30.0 / 60.0)
+    # no fp16 ceiling: none for our fp32 either, not the FFMA one
+    (ours,) = bench._fill_derived(rows[:1], {"fp32": {"tflops": 60.0}, "fp16": {"tflops": None}})
+    assert ours["fraction_of_ceiling"] is None
+
+
+def test_nan_rows_keep_their_times_but_stay_out_of_means_and_speedups():
+    nan_ours = bench._measure(_row(1, 8, 5, "tf32", bench.IMPL, None, gflop=2.0),
+                              lambda: ([100.0, 100.0], [10.0, 10.0], False))
+    assert nan_ours["status"] == "nan" and nan_ours["median_us"] == 100.0 and nan_ours["host_us"] == 10.0
+    rows = [nan_ours,
+            _row(1, 8, 5, "tf32", "torch-tf32-graph", 200.0, gflop=2.0),
+            _row(2, 8, 5, "tf32", bench.IMPL, 50.0, gflop=2.0),
+            _row(2, 8, 5, "tf32", "torch-tf32-graph", 300.0, gflop=2.0, status="nan")]
+    result = _result(rows)
+    nan_ours, _, ours, _ = result["rows"]
+    # the time is real, the values are not: TFLOP/s and speedup still shown for the nan row ...
+    assert nan_ours["tflops"] == pytest.approx(20.0)
+    assert nan_ours["speedup_vs_torch_tf32_graph"] == pytest.approx(2.0)
+    # ... but a nan reference is no reference, and the means take only ok rows
+    assert ours["speedup_vs_torch_tf32_graph"] is None
+    means = {m["impl"]: m for m in result["means"]}
+    assert (means[bench.IMPL]["n_cases"], means[bench.IMPL]["mean_us"]) == (1, pytest.approx(50.0))
+    assert (means["torch-tf32-graph"]["n_cases"], means["torch-tf32-graph"]["mean_us"]) == (1, pytest.approx(200.0))
+    assert means[bench.IMPL]["speedup_vs_torch_tf32_graph"] is None
+    assert [line.split()[-1] for line in bench.format_rows(result, "table").splitlines()
+            if line.endswith((" ok", " nan"))] == ["nan", "ok", "ok", "nan"]
+
+
+def test_long_errors_are_cut_to_300_in_the_row_and_100_in_the_table():
+    def body():
+        raise ValueError("a  long\n\tline " * 60)
+
+    row = bench._measure(_row(1, 8, 5, "tf32", bench.IMPL, None), body)
+    prefix = "error: ValueError: "
+    # whitespace collapsed, 297 characters of the message and "..."
+    assert row["status"] == prefix + ("a long line " * 60)[:297] + "..."
+    result = _result([row])
+    table = bench.format_rows(result, "table")
+    assert row["status"][:100] in table and row["status"][:101] not in table
+    assert list(csv.DictReader(io.StringIO(bench.format_rows(result, "csv"))))[0]["status"] == row["status"]
+
+
 def test_suite_means():
     means = {(m["precision"], m["impl"]): m for m in _sample_result()["means"]}
     ours = means[("tf32", bench.IMPL)]
@@ -166,6 +217,23 @@ def test_numpy_sweep_tiny_shape():
     assert "suite means" in bench.format_rows(result, "table")
 
 
+def test_numpy_sweep_marks_nan_outputs(monkeypatch):
+    # a NaN in the last of the ten outputs: timed all the same, status "nan", out of the means
+    import cupy_xattn
+    real = cupy_xattn.cross_attention_backward
+
+    def nan_bias(*args, **kwargs):
+        grads = real(*args, **kwargs)
+        return grads._replace(grad_output_bias=numpy.full_like(grads.grad_output_bias, numpy.nan))
+
+    monkeypatch.setattr(cupy_xattn, "cross_attention_backward", nan_bias)
+    result = bench.run_sweep([Case(1, 8, 5, atol=0.1)], precisions=("tf32",), backend="numpy", reps=2,
+                             warmup=0, hidden_size=64, num_heads=4)
+    (row,) = result["rows"]
+    assert row["status"] == "nan" and row["median_us"] > 0 and row["tflops"] > 0
+    assert result["means"] == []
+
+
 def test_metadata_without_gpu():
     meta = bench.collect_meta("numpy")
     assert set(bench.META_FIELDS) <= set(meta)
@@ -202,8 +270,11 @@ def test_run_sweep_rejects_bad_options():
     case = [Case(1, 8, 5, atol=0.1)]
     with pytest.raises(ValueError, match="backend"):
         bench.run_sweep(case, precisions=("tf32",), backend="torch")
-    with pytest.raises(ValueError, match="reps"):
+    with pytest.raises(ValueError, match="reps=0"):
         bench.run_sweep(case, precisions=("tf32",), backend="numpy", reps=0)
+    # a negative warm-up would silently run none
+    with pytest.raises(ValueError, match="warmup >= 0, got reps=1, warmup=-1"):
+        bench.run_sweep(case, precisions=("tf32",), backend="numpy", reps=1, warmup=-1)
 
 
 def test_import_does_not_touch_cupy_or_torch():

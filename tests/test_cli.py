@@ -49,16 +49,53 @@ def test_check_numpy_backend_passes(runner):
     assert "case 2x16x5" in result.stdout and "grad_key_bias" in result.stdout
 
 
-def test_check_fails_with_exit_code_1(runner, monkeypatch):
-    def zeros(**inputs):
-        grads = cupy_xattn.cross_attention_backward(**inputs)
-        return grads._replace(grad_value_weight=numpy.zeros_like(grads.grad_value_weight))
+def _patch_backward(monkeypatch, spoil_value_weight=None):
+    """check's backward: the real one, grad_value_weight passed through spoil_value_weight if given.
+    Returns the keyword arguments of every call."""
+    calls = []
 
-    monkeypatch.setattr(cupy_xattn.api, "cross_attention_backward", zeros)
+    def backward(**inputs):
+        calls.append(inputs)
+        grads = cupy_xattn.cross_attention_backward(**inputs)
+        if spoil_value_weight is None:
+            return grads
+        return grads._replace(grad_value_weight=spoil_value_weight(grads.grad_value_weight))
+
+    monkeypatch.setattr(cupy_xattn.api, "cross_attention_backward", backward)
+    return calls
+
+
+def test_check_fails_with_exit_code_1(runner, monkeypatch):
+    _patch_backward(monkeypatch, numpy.zeros_like)
     result = runner.invoke(main, ["check", "--backend", "numpy", *TINY])
     assert result.exit_code == 1
     assert "grad_value_weight" in result.stdout and "FAIL" in result.stdout
     assert result.stdout.rstrip().endswith("1 output(s) failed")
+
+
+def test_check_atol_sets_the_tolerance_of_shape_cases(runner, monkeypatch):
+    # every element of one output off by 0.5: over the default atol 0.1, within --atol 1
+    _patch_backward(monkeypatch, lambda grad: grad + 0.5)
+    assert runner.invoke(main, ["check", "--backend", "numpy", *TINY]).exit_code == 1
+    result = runner.invoke(main, ["check", "--backend", "numpy", *TINY, "--atol", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(" atol 1 ") == 10 and result.stdout.rstrip().endswith("all outputs pass")
+
+
+def test_check_passes_its_precision_to_the_backward(runner, monkeypatch):
+    # the numpy backend ignores the precision, so only the call shows whether it got through
+    calls = _patch_backward(monkeypatch)
+    result = runner.invoke(main, ["check", "--backend", "numpy", *TINY, "--precision", "fp16"])
+    assert result.exit_code == 0, result.output
+    assert [call["precision"] for call in calls] == ["fp16"] and "numpy/fp16" in result.stdout
+
+
+def test_check_seed_picks_the_inputs(runner):
+    # the printed float32 rounding errors depend on the random inputs
+    first, again, other = (runner.invoke(main, ["check", "--backend", "numpy", *TINY, "--seed", seed]).stdout
+                           for seed in ("1", "1", "2"))
+    assert first == again
+    assert first != other and first.count("%  pass\n") == other.count("%  pass\n") == 10
 
 
 @pytest.mark.parametrize("command", [["check"], ["sweep"], ["check", "--suite", "sol-execbench"],
@@ -88,6 +125,7 @@ def test_no_cupy_names_the_extras(runner, monkeypatch):
     (["sweep", *TINY, "--format", "xml"], "--format"),
     (["check", "--shape", "1x1x1", "--hidden-size", "30", "--num-heads", "4"], "not divisible"),
     (["sweep", *TINY, "--reps", "0"], "--reps"),
+    (["sweep", "--backend", "numpy", *TINY, "--warmup", "-1"], "--warmup"),
 ])
 def test_bad_arguments_are_usage_errors(runner, args, complaint):
     result = runner.invoke(main, args)
@@ -139,6 +177,23 @@ def test_sweep_suite_defaults(runner, fake_bench, monkeypatch):
     assert (options["reps"], options["warmup"], options["hidden_size"], options["num_heads"]) == (50, 10, 1024, 16)
     assert (options["baselines"], options["ceilings"]) == (False, False)
     assert result.stdout.startswith("table:64x128x77,")
+
+
+def test_shapes_alone_default_to_1024_and_16_heads(runner, fake_bench):
+    # no suite: D and H fall back to the sol-execbench layer's, each on its own
+    assert runner.invoke(main, ["sweep", "--backend", "numpy", "--shape", "2x8x3"]).exit_code == 0
+    assert runner.invoke(main, ["sweep", "--backend", "numpy", "--shape", "2x8x3", "--hidden-size", "64"]).exit_code == 0
+    (_, options), (_, smaller) = fake_bench
+    assert (options["hidden_size"], options["num_heads"]) == (1024, 16)
+    assert (smaller["hidden_size"], smaller["num_heads"]) == (64, 16)
+
+
+def test_sweep_precisions_are_deduplicated_in_first_seen_order(runner, fake_bench):
+    result = runner.invoke(main, ["sweep", "--backend", "numpy", *TINY, "--precision", "fp16,tf32",
+                                  "--precision", "fp16", "--precision", "tf32,fp16,fp32"])
+    assert result.exit_code == 0, result.output
+    [(_, options)] = fake_bench
+    assert options["precisions"] == ("fp16", "tf32", "fp32")
 
 
 def test_sweep_wan_suite_takes_its_layer_sizes_unless_given(runner, fake_bench, monkeypatch):
