@@ -104,16 +104,27 @@ def _tf32_shapes(mv, mt, d):
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 
-def _sm_shares(mv, mt, d, sm_count):
-    """SMs cuBLAS is told to plan for (cublasSetSmCountTarget) in the half modes, for the three
-    projections side by side and for the two lanes of GEMMs after the second conversion; 0: all.
-    Only where Q0's output (B·Nv × D) holds at most a quarter as many 128 × 128 tiles as there are
-    SMs and [K0 | V0]'s (B·Nt × 2D) at most half: planned for every SM, each of these small
-    products presumably takes tiles small enough to fill them all, against the GEMMs beside it
-    (kernel names not checked; perf-notes v44: fp32 −12 to −22 µs a case at B·Nv = 512, fp16 −2
-    to −6; larger problems were slower with it, and so was tf32 everywhere)."""
-    small = 4 * max(mv, mt) * d <= sm_count * 128 * 128
-    return (sm_count // 3, sm_count // 2) if small else (0, 0)
+def _sm_shares(precision, mv, mt, d, sm_count):
+    """SMs cuBLAS is told to plan each half-mode product for (cublasSetSmCountTarget; 0: all), by
+    name: the projections q0, kv0, dout; dwo beside the second conversion; dx then dwq, dt then
+    dwkv on the two lanes after it. Planned for every SM, a small product takes tiles small enough
+    to fill them all, against the GEMMs beside it (perf-notes v44, v45; tf32 gained from none).
+    fp32 (three fp16 GEMMs a product): a table found one product at a time at 2x512x77
+    (scripts/sm_share_probe.py), where [K0 | V0]'s output (B·Nt × 2D) holds at most half as many
+    128 × 128 tiles as there are SMs and Q0's (B·Nv × D) three quarters (v45: −2 to −25 µs a
+    case at B·Nv ≤ 1382; with it B·Nv = 2048 or B·Nt = 1172 ran 5 and 21 µs slower). fp16 gained
+    nothing from that table; where Q0's holds at most a quarter and [K0 | V0]'s half (v44: −2 to
+    −6 µs a case at B·Nv = 512, larger problems slower), a third each for the projections, half
+    for the last four."""
+    tile = sm_count * 128 * 128
+    names = ("q0", "kv0", "dout", "dwo", "dx", "dwq", "dt", "dwkv")
+    if precision == "fp32" and 4 * mt * d <= tile and 4 * mv * d <= 3 * tile:
+        half, third = sm_count // 2, sm_count // 3
+        return dict(zip(names, (half, third, half, third, half, 2 * sm_count // 3, third, 2 * sm_count // 3)))
+    if precision != "tf32" and 4 * max(mv, mt) * d <= tile:
+        third, half = sm_count // 3, sm_count // 2
+        return dict(zip(names, (third, third, third, 0, half, half, half, half)))
+    return dict.fromkeys(names, 0)
 
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).
@@ -311,15 +322,15 @@ class Backward:
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
-        third_of_sms, half_of_sms = _sm_shares(mv, mt, d, self._sm_count)
+        sms = _sm_shares(self.precision, mv, mt, d, self._sm_count)
 
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
-             alpha=alpha(_X, _WQ), sm_target=third_of_sms, **half)
+             alpha=alpha(_X, _WQ), sm_target=sms["q0"], **half)
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, 4 * d)], m=mt, n=d, k=d, lda=d, ldb=d,
-             ldc=2 * d, trans_b=True, alpha=alpha(_T, _WKV), lane=1, sm_target=third_of_sms, **half)
+             ldc=2 * d, trans_b=True, alpha=alpha(_T, _WKV), lane=1, sm_target=sms["kv0"], **half)
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
-             sm_target=third_of_sms, **half)
+             sm_target=sms["dout"], **half)
         self._join()
         # dWo's alpha, written by the attention (see below); fp32: and the alpha of the product of
         # O's remainder, which the attention writes at a scale of its own
@@ -332,19 +343,19 @@ class Backward:
         # with the alpha the attention leaves, not the one that conversion's rescale sets.
         self._fork()
         gemm([DY], [O], ["grad_output_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-             alpha=addr(self._alpha_o), alpha_lo_b=addr(self._alpha_o, 4), lane=2, **half)
+             alpha=addr(self._alpha_o), alpha_lo_b=addr(self._alpha_o, 4), lane=2, sm_target=sms["dwo"], **half)
         (dq_sums, rows_b), (dkv_sums, rows_kv) = self._record_conversions(stage_b, shapes_b)
 
         self._fork()
         gemm([DQ], [WQ], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DQ, _WQ),
-             sm_target=half_of_sms, **half)
+             sm_target=sms["dx"], **half)
         gemm([DQ], [X], ["grad_query_weight"], m=d, n=d, k=mv, lda=d, ldb=d, ldc=d, trans_a=True,
-             alpha=alpha(_DQ, _X), sm_target=half_of_sms, **half)
+             alpha=alpha(_DQ, _X), sm_target=sms["dwq"], **half)
         # [Wk; Wv] is one copy: dT = [dK | dV] [Wk; Wv], one GEMM
         gemm([DK], [WK], ["grad_text_embeddings"], m=mt, n=d, k=2 * d, lda=2 * d, ldb=d, ldc=d,
-             alpha=alpha(_DKV, _WKV), lane=1, sm_target=half_of_sms, **half)
+             alpha=alpha(_DKV, _WKV), lane=1, sm_target=sms["dt"], **half)
         gemm([DK, DV], [T, T], ["grad_key_weight", "grad_value_weight"], m=d, n=d, k=mt,
-             lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, sm_target=half_of_sms, **half)
+             lda=2 * d, ldb=d, ldc=d, trans_a=True, alpha=alpha(_DKV, _T), lane=1, sm_target=sms["dwkv"], **half)
         # Bias gradients: the partial column sums the conversions wrote (of the fp32 tensors), added up.
         if rows_a == rows_b:
             self._record_column_sums([dy_sums, dq_sums], _VIDEO_BIASES, rows_a, d, lane=2)

@@ -785,11 +785,12 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(2, 256, 77), (1, 528, 77), (1, 529, 77), (1, 128, 528), (1, 128, 529),
-                                   (64, 128, 77)])
+                                   (1, 1584, 77), (1, 1585, 77), (64, 128, 77)])
 def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypatch, precision, shape):
-    # B·Nv and B·Nt ≤ 132 · 128² / (4 · D) = 528 (Q0's output at most 33 tiles of 128 × 128, [K0 | V0]'s
-    # 66): the three projections plan for a third of the SMs, the four GEMMs of the last two lanes
-    # for half; dWo and the bias sums, every larger problem, and tf32, for all of them (0).
+    # fp16, where B·Nv and B·Nt ≤ 132 · 128² / (4 · D) = 528 (Q0's output at most 33 tiles of
+    # 128 × 128, [K0 | V0]'s 66): the three projections plan for a third of the SMs, the four GEMMs
+    # of the last two lanes for half. fp32, where B·Nt ≤ 528 and B·Nv ≤ 3 · 528 = 1584: its own
+    # table, dWo included. The bias sums, every larger problem, and tf32: all of them (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     sm_targets = []
@@ -800,16 +801,20 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
         assert set(sm_targets) == {0}
         return
     b, nv, nt = shape
-    third, half = (44, 66) if b * nv <= 528 and b * nt <= 528 else (0, 0)
-    expected = {program._q0.data.ptr: third, program._kv0.data.ptr: third, program._dout.data.ptr: third,
-                "grad_video_latents": half, "grad_query_weight": half, "grad_text_embeddings": half,
-                "grad_key_weight": half}
+    if precision == "fp32" and b * nt <= 528 and b * nv <= 1584:
+        targets = 66, 44, 66, 44, 66, 88, 44, 88
+    elif precision == "fp16" and b * nv <= 528 and b * nt <= 528:
+        targets = 44, 44, 44, 0, 66, 66, 66, 66
+    else:
+        targets = (0,) * 8
+    outputs = [program._q0.data.ptr, program._kv0.data.ptr, program._dout.data.ptr, "grad_output_weight",
+               "grad_video_latents", "grad_query_weight", "grad_text_embeddings", "grad_key_weight"]
     got = {}
     for args, target in zip(calls, sm_targets):
         first = _table_entries(program, args[13], args[16])[0]  # the product's first output
         got.setdefault(first, set()).add(target)
-    assert all(got.pop(output) == {target} for output, target in expected.items()), got
-    assert all(targets == {0} for targets in got.values()), got  # dWo, the bias sums
+    assert all(got.pop(output) == {target} for output, target in zip(outputs, targets)), got
+    assert all(targets == {0} for targets in got.values()), got  # the bias sums
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
