@@ -107,6 +107,21 @@ def test_gpu_backend_gets_the_problem_and_contiguous_inputs(inputs, mocked_gpu):
     assert _digest(odd.values()) == before
 
 
+def test_gpu_backend_copies_inputs_that_start_off_a_16_byte_boundary(inputs, mocked_gpu):
+    # The kernels load inputs as float4: a contiguous input 4 bytes past a boundary is copied,
+    # an aligned one is passed as it is.
+    bias = inputs["query_bias"]
+    buffer = numpy.empty(bias.size + 4, numpy.float32)
+    start = next(i for i in range(4) if buffer[i:].ctypes.data % 16 == 4)
+    shifted = buffer[start:start + bias.size]
+    shifted[...] = bias
+    cross_attention_backward(**dict(inputs, query_bias=shifted), num_heads=H)
+    [(_, gpu_inputs, _, _, _)] = mocked_gpu
+    assert all(a.ctypes.data % 16 == 0 for a in gpu_inputs)
+    numpy.testing.assert_array_equal(gpu_inputs[4], bias)
+    assert gpu_inputs[1] is inputs["video_latents"]
+
+
 def test_gpu_backend_writes_straight_into_contiguous_out(inputs, mocked_gpu):
     out = CrossAttentionGrads(*(numpy.empty_like(a) for a in list(inputs.values())[1:]))
     grads = cross_attention_backward(*inputs.values(), num_heads=H, out=out)

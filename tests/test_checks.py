@@ -197,6 +197,15 @@ def test_gpu_out_aliasing_is_by_address_range(arrays):
     assert "key_bias" not in str(error.value)
 
 
+def test_gpu_out_starting_on_an_inputs_last_element_overlaps_it(arrays):
+    # One shared element: an input's range must end past its last element, not at its start.
+    fakes = _fakes(arrays)
+    out = [FakeGpuArray(a.shape, ptr=(i + 1) << 40) for i, a in enumerate(list(arrays.values())[1:])]
+    out[5].data.ptr = fakes["key_bias"].data.ptr + 4 * (D - 1)
+    with pytest.raises(ValueError, match="out.grad_key_bias overlaps key_bias"):
+        _validate(fakes, backend="cupy", out=out)
+
+
 def test_read_only_out(arrays):
     out = _outputs(arrays)
     out.grad_output_bias.flags.writeable = False

@@ -9,10 +9,12 @@ from cupy_xattn import graphs
 
 
 class FakeDriver:
-    """A graph of kernel nodes (name, virtual architecture) and other nodes (None), and its edges."""
+    """A graph of kernel nodes (name, virtual architecture) and other nodes (None), and its edges;
+    ``edge_data``: (from_port, type) of the edges that are not plain ones (0, 0)."""
 
-    def __init__(self, nodes, edges, missing=(), fail=()):
+    def __init__(self, nodes, edges, missing=(), fail=(), edge_data=None):
         self.nodes, self.edges, self.missing, self.fail = nodes, list(edges), set(missing), set(fail)
+        self.edge_data = edge_data or {}
         self.programmatic = []
 
     def __call__(self, function, *args):
@@ -30,6 +32,7 @@ class FakeDriver:
         if sources is not None:
             for i, (a, b) in enumerate(self.edges):
                 sources[i], targets[i] = a, b
+                data[i].from_port, data[i].type = self.edge_data.get((a, b), (0, 0))
         self._out(count).value = len(self.edges)
 
     def cuGraphNodeGetType(self, node, node_type):
@@ -81,6 +84,15 @@ def test_only_edges_from_a_kernel_into_one_of_ours_built_for_sm90_become_program
     assert sorted(driver.edges) == sorted(set(EDGES) - {(2, 3), (1, 4), (4, 2), (8, 3)})
 
 
+def test_edges_that_are_not_plain_completions_stay_as_they_are(monkeypatch):
+    # Already programmatic (2 → 3), or from the launch-order port (1 → 4): not an edge that waits for
+    # the upstream kernel to finish, so there is nothing to relax.
+    fake = FakeDriver(NODES, EDGES, edge_data={(2, 3): (1, 1), (1, 4): (2, 0)})
+    monkeypatch.setattr(graphs, "_call", fake)
+    assert graphs.make_programmatic(1234) == [("attn_bwd", "half_copy_absmax"), ("", "half_rescale")]
+    assert fake.programmatic == [(4, 2), (8, 3)]
+
+
 @pytest.fixture
 def fake_cupy(monkeypatch):
     """Just enough CuPy for graphs.programmatic: a device of compute capability 9.0 and a runtime."""
@@ -109,6 +121,14 @@ def test_programmatic_instantiates_the_changed_graph(fake_cupy, driver):
     graph = graphs.programmatic(captured)
     assert isinstance(graph, graphs.ProgrammaticGraph) and fake_cupy.instantiated == [1234]
     assert len(graph.programmatic_edges) == 4
+
+
+def test_programmatic_keeps_the_captured_graph_when_no_edge_changes(fake_cupy, monkeypatch):
+    # Only edges into cuBLAS, from an event node, into a kernel built for sm_80: no second instantiation.
+    fake = FakeDriver(NODES, [(3, 1), (5, 4), (4, 6), (6, 7), (4, 8)])
+    monkeypatch.setattr(graphs, "_call", fake)
+    captured = types.SimpleNamespace(graph=1234)
+    assert graphs.programmatic(captured) is captured and fake_cupy.instantiated == []
 
 
 @pytest.mark.parametrize("failure", ["old GPU", "no driver call", "a call fails", "instantiation fails"])

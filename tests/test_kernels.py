@@ -2,6 +2,8 @@
 import os
 import re
 import shutil
+import types
+from pathlib import Path
 
 import numpy
 import pytest
@@ -136,6 +138,21 @@ def test_cubins_flush_denormals_as_cupys_modules_do(probe_dir, monkeypatch):
     assert "-ftz=true" in seen[0]
 
 
+def test_nvcc_cubins_flush_denormals_too(probe_dir, monkeypatch):
+    # The fallback without NVRTC must compute what CuPy's modules (-ftz=true) do, as NVRTC's cubins do.
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"cubin")
+        return types.SimpleNamespace(returncode=0, stderr="")
+    monkeypatch.setattr(kernels, "_nvrtc", lambda: None)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: "/usr/bin/nvcc")
+    monkeypatch.setattr(kernels.subprocess, "run", run)
+    assert kernels.compile_cubin("probe.cu", "sm_90") == b"cubin"
+    assert "-ftz=true" in commands[0]
+
+
 def test_compile_error_carries_the_log(probe_dir):
     with pytest.raises(kernels.CompileError, match=r"(?s)broken.cu \(sm_90\).*broken.cu\(2\).*undeclared_thing"):
         kernels.compile_cubin("broken.cu", "sm_90")
@@ -249,7 +266,6 @@ def test_an_unwritable_cache_compiles_without_it(probe_dir, tmp_path, monkeypatc
 def test_sm_90a_cubins_are_cached_on_disk_by_source_target_and_compiler(tmp_path, monkeypatch):
     # get_kernel(..., arch="sm_90a") compiles here (CuPy would build for the device's sm_90) and keeps
     # the cubin in CuPy's cache folder: the second process loads it instead of compiling again.
-    import types
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     compiled, loaded = [], []
     monkeypatch.setattr(kernels, "compile_cubin", lambda f, arch, defines=None: compiled.append(arch) or b"cubin")
@@ -264,6 +280,17 @@ def test_sm_90a_cubins_are_cached_on_disk_by_source_target_and_compiler(tmp_path
         kernels._module_from_cached_cubin("attention_bwd.cu", "sm_90a", defines)
     assert compiled == ["sm_90a"] and loaded == [str(path)] * 2 and path.read_bytes() == b"cubin"
     assert list(path.parent.iterdir()) == [path]  # no partial file left behind
+
+
+def test_the_cubin_cache_key_holds_the_compilers_version(monkeypatch):
+    # Another NVRTC may compile the same source differently: it must not load the last one's cubins.
+    monkeypatch.setattr(kernels, "_nvrtc_options", lambda arch: (f"-arch={arch}", "-ftz=true"))
+
+    def path(version):
+        nvrtc = None if version is None else types.SimpleNamespace(getVersion=lambda: version)
+        monkeypatch.setattr(kernels, "_nvrtc", lambda: nvrtc)
+        return kernels.cubin_cache_path("transpose.cu", "sm_90a")
+    assert len({path((12, 8)), path((12, 9)), path((13, 0)), path(None)}) == 4  # None: nvcc
 
 
 

@@ -222,6 +222,7 @@ def gpu(monkeypatch):
                 log.invalidated = True
                 raise _cublas.CublasError("refused during capture")
             if self.stream.ptr == log.fail_on_stream:
+                log.append(("failed gemm", self.stream.ptr))
                 raise _cublas.CublasError("failed on purpose")
             log.append(("gemm", args[-2], self.stream.ptr))  # batch count, stream
 
@@ -380,6 +381,36 @@ def test_cross_attention_backward_reuses_the_cached_plan(gpu):
     assert len(plans._cache) == 1 and _run_counts(gpu, mark)["graph"] == 1
 
 
+def test_the_cache_keeps_a_plan_per_stream(gpu):
+    # A cached plan orders its work on the stream it was made for: a call on another stream gets its own.
+    import cupy_xattn
+    from cupy_xattn import plans
+    cupy = sys.modules["cupy"]
+    other = cupy.cuda.Stream(non_blocking=True)
+    cupy_xattn.cross_attention_backward(**_inputs(), num_heads=2)
+    with other:
+        cupy_xattn.cross_attention_backward(**_inputs(), num_heads=2)
+    assert [plan.stream.ptr for plan in plans._cache.values()] == [gpu.null.ptr, other.ptr]
+
+
+@pytest.mark.parametrize("name", ["batch_size", "num_video_tokens", "num_text_tokens", "hidden_size", "num_heads"])
+def test_a_plan_refuses_zero_sizes(gpu, name):
+    # As cross_attention_backward refuses empty dimensions: nothing to record, and D % 0 would divide by zero.
+    import cupy_xattn
+    sizes = dict(batch_size=2, num_video_tokens=70, num_text_tokens=20, hidden_size=128, num_heads=2)
+    with pytest.raises(ValueError, match=f"plan sizes must be positive integers: {name}=0$"):
+        cupy_xattn.plan(**{**sizes, name: 0})
+
+
+def test_a_plan_refuses_a_batch_past_the_grid_limit(gpu):
+    # at creation, not at every call after it
+    import cupy_xattn
+    from cupy_xattn import checks
+    cupy_xattn.plan(checks.MAX_BATCH, 1, 1, hidden_size=64, num_heads=1)
+    with pytest.raises(ValueError, match="B=65536 exceeds 65535"):
+        cupy_xattn.plan(checks.MAX_BATCH + 1, 1, 1, hidden_size=64, num_heads=1)
+
+
 def test_a_plan_is_for_its_own_gpu(gpu):
     import cupy_xattn
     plan = cupy_xattn.plan(1, 64, 77, hidden_size=128, num_heads=2)
@@ -483,10 +514,13 @@ def test_calls_on_the_per_thread_default_stream_always_wait_for_the_last_replay(
 @given(st.data())
 def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with_it(gpu, data):
     """fast_validate may decline anything (None: the full check runs), but what it accepts the full
-    check must accept, with the same sizes and scale, and the addresses must be the arrays'."""
+    check must accept, with the same sizes and scale, and the addresses must be the arrays'; and
+    the arrays must be on the current GPU (the plan cache is per current device)."""
     from cupy_xattn import checks
     from cupy_xattn.grads import INPUT_NAMES, CrossAttentionGrads
-    b, nv, nt = (data.draw(st.integers(1, 3), label=name) for name in ("B", "Nv", "Nt"))
+    b = data.draw(st.sampled_from([1, 2, 3, checks.MAX_BATCH + 1]), label="B")  # past the grid's limit too
+    nv, nt = (data.draw(st.integers(1, 3), label=name) for name in ("Nv", "Nt"))
+    gpu.device = data.draw(st.integers(0, 1), label="current device")  # the arrays are on GPU 0
     heads, head_dim = data.draw(st.integers(1, 3), label="heads"), data.draw(st.sampled_from([4, 8]), label="hd")
     inputs = _inputs(b, nv, nt, heads * head_dim)
     arrays = [inputs[name] for name in INPUT_NAMES]
@@ -512,11 +546,11 @@ def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with
             bad = FakeArray(a.shape, ptr=everything[j].data.ptr)
         everything[i] = bad
     arrays, out = everything[:11], (everything[11:] or None)
-    # Drawn by index: sampled_from over values that compare equal (3, int64(3), uint8(3)) replayed
-    # its choices inconsistently (hypothesis's FlakyStrategyDefinition).
+    # Drawn by index: sampled_from over values that compare equal (3, int64(3), uint8(3); 0, 0.0)
+    # replayed its choices inconsistently (hypothesis's FlakyStrategyDefinition).
     num_heads = [heads, heads + 1, numpy.int64(heads), numpy.uint8(heads), 0][
         data.draw(st.integers(0, 4), label="num_heads (index)")]
-    scale = data.draw(st.sampled_from([None, 0.5, 2, -1.0, float("inf"), True]), label="scale")
+    scale = [None, 0.5, 2, 0, 0.0, -1.0, float("inf"), True][data.draw(st.integers(0, 7), label="scale (index)")]
     options = dict(scale=scale, num_heads=num_heads, precision="tf32", backend="cupy")
     fast = checks.fast_validate(arrays, **options, out=out)
     try:
@@ -529,6 +563,7 @@ def test_the_fast_check_accepts_only_what_the_full_check_accepts_and_agrees_with
     if fast is not None:
         assert fast[0] == problem and type(fast[0].num_heads) is int
         assert fast[1] == [a.data.ptr for a in arrays + (out or [])]
+        assert all(a.data.device_id == gpu.device for a in arrays + (out or []))
 
 
 def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(gpu):
@@ -869,9 +904,11 @@ def test_a_failed_step_still_joins_the_lanes_and_orders_the_callers_stream(gpu):
     with pytest.raises(_cublas.CublasError):
         plan._run_direct(program, gpu.null)
     entries = gpu[mark:]
-    failed_at = len(entries)  # everything logged happened before or while unwinding
-    assert _waits_for(entries, main, side1) and _waits_for(entries, main, side2)
-    assert _waits_for(entries, gpu.null.ptr, main)[-1] < failed_at  # the caller's stream waits last
+    failed_at = entries.index(("failed gemm", side2))
+    after = {side: [i for i in _waits_for(entries, main, side) if i > failed_at] for side in (side1, side2)}
+    assert all(after.values()), after  # the main lane waits for both side lanes after the failure ...
+    joined = max(waits[0] for waits in after.values())
+    assert any(i > joined for i in _waits_for(entries, gpu.null.ptr, main))  # ... and the caller's stream for it
 
 
 def test_only_capture_refusals_leave_a_plan_uncaptured(gpu, monkeypatch):
