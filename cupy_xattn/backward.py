@@ -108,21 +108,23 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     """SMs cuBLAS is told to plan each half-mode product for (cublasSetSmCountTarget; 0: all), by
     name: the projections q0, kv0, dout; dwo beside the second conversion; dx then dwq, dt then
     dwkv on the two lanes after it. Planned for every SM, a small product takes tiles small enough
-    to fill them all, against the GEMMs beside it (perf-notes v44, v45; tf32 gained from none).
-    fp32 (three fp16 GEMMs a product): a table found one product at a time at 2x512x77
-    (scripts/sm_share_probe.py), where [K0 | V0]'s output (B·Nt × 2D) holds at most half as many
-    128 × 128 tiles as there are SMs and Q0's (B·Nv × D) three quarters (v45: −2 to −25 µs a
-    case at B·Nv ≤ 1382; with it B·Nv = 2048 or B·Nt = 1172 ran 5 and 21 µs slower). fp16 gained
-    nothing from that table; where Q0's holds at most a quarter and [K0 | V0]'s half (v44: −2 to
-    −6 µs a case at B·Nv = 512, larger problems slower), a third each for the projections, half
-    for the last four."""
+    to fill them all, against the GEMMs beside it (perf-notes v44 to v46; tf32 gained from none).
+    fp32 (three fp16 GEMMs a product): tables found one product at a time (scripts/sm_share_probe.py)
+    where [K0 | V0]'s output (B·Nt × 2D) holds at most half as many 128 × 128 tiles as there are
+    SMs: from 2x512x77 where Q0's (B·Nv × D) holds at most three quarters (v45: −2 to −25 µs a case
+    at B·Nv ≤ 1382; with it B·Nv = 2048 or B·Nt = 1172 ran 5 and 21 µs slower), from 4x512x77
+    where it holds at most as many (v46: 4x512x77 −22, 2x1024x77 −10 µs; 2x2048x77 +38 with it).
+    fp16 gained nothing from the first table; where Q0's holds at most a quarter and [K0 | V0]'s
+    half (v44: −2 to −6 µs a case at B·Nv = 512, larger problems slower), a third each for the
+    projections, half for the last four."""
     tile = sm_count * 128 * 128
     names = ("q0", "kv0", "dout", "dwo", "dx", "dwq", "dt", "dwkv")
+    half, third, two_thirds = sm_count // 2, sm_count // 3, 2 * sm_count // 3
     if precision == "fp32" and 4 * mt * d <= tile and 4 * mv * d <= 3 * tile:
-        half, third = sm_count // 2, sm_count // 3
-        return dict(zip(names, (half, third, half, third, half, 2 * sm_count // 3, third, 2 * sm_count // 3)))
+        return dict(zip(names, (half, third, half, third, half, two_thirds, third, two_thirds)))
+    if precision == "fp32" and 4 * mt * d <= tile and mv * d <= tile:
+        return dict(zip(names, (two_thirds, half, 0, third, third, two_thirds, third, 0)))
     if precision != "tf32" and 4 * max(mv, mt) * d <= tile:
-        third, half = sm_count // 3, sm_count // 2
         return dict(zip(names, (third, third, third, 0, half, half, half, half)))
     return dict.fromkeys(names, 0)
 
