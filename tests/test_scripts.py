@@ -102,3 +102,32 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
         base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
         changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
         assert changed, f"the {name} tree leaves the build {defines} as it is"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_split_attention_probe_kernels_compile(arch, tmp_path, monkeypatch):
+    from cupy_xattn import kernels
+    (tmp_path / "split.cu").write_text(_script("split_attention_probe").SOURCE)
+    monkeypatch.setattr(kernels, "SOURCE_DIRS", (tmp_path,))
+    cubin = kernels.compile_cubin("split.cu", arch)
+    assert b"split_fwd" in cubin and b"split_bwd" in cubin
+
+
+def test_split_attention_probe_reference_is_the_attention_backward(monkeypatch):
+    # NumPy stands in for CuPy; one (batch, head) recomputed from the formulas in attention_bwd.cu
+    import sys
+    import numpy
+    monkeypatch.setitem(sys.modules, "cupy", numpy)
+    b, nv, nt, heads, scale = 2, 5, 3, 2, 0.125
+    d = heads * 64
+    rng = numpy.random.default_rng(1)
+    q, dout, kv = rng.standard_normal((b * nv, d)), rng.standard_normal((b * nv, d)), rng.standard_normal((b * nt, 2 * d))
+    o, dq, dkv = _script("split_attention_probe").reference(q, kv, dout, b, nv, nt, heads, scale)
+    rows, keys, cols = slice(nv, 2 * nv), slice(nt, 2 * nt), slice(64, 128)  # batch 1, head 1
+    Q, dO, K, V = q[rows, cols], dout[rows, cols], kv[keys, cols], kv[keys, d + 64:d + 128]
+    P = numpy.exp(scale * Q @ K.T)
+    P /= P.sum(1, keepdims=True)
+    dS = P * (dO @ V.T - (dO * (P @ V)).sum(1, keepdims=True))
+    for got, want in ((o[rows, cols], P @ V), (dq[rows, cols], scale * dS @ K),
+                      (dkv[keys, cols], scale * dS.T @ Q), (dkv[keys, d + 64:d + 128], P.T @ dO)):
+        numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
