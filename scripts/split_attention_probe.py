@@ -9,6 +9,8 @@ the plan's graph: `graph_kernels.py SHAPE fp16 --trace --kernels`) and check it 
 CuPy reference of the same math. Measured on the H200 (perf-notes, Session 20): as fast as
 attn_bwd on the three streamed cases (38.8 / 38.5, 63.8 / 63.0, 154.0 / 154.1 µs), not the
 2–2.5× the shorter chains predicted, with fp16-level errors (≤ 1.3e-3 of each output's max).
+Each line: the forward kernel alone, then with the backward kernel (and dQ's memset), then with
+the backward kernel that stages its next Q and dO tiles by cp.async (BWD_ASYNC).
 
 Usage: PYTHONPATH=. python3 scripts/split_attention_probe.py [--reps 50] 2x256x211 4x256x293 8x256x373
 """
@@ -68,6 +70,29 @@ __device__ __forceinline__ void load_tile(half_t* s, const float* g, long long l
         int r = f / (HD / 4), c = 4 * (f % (HD / 4));
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (row0 + r < n) v = *reinterpret_cast<const float4*>(g + (long long)(row0 + r) * ld + col0 + c);
+        *reinterpret_cast<uint2*>(s + r * LD + c) = make_uint2(pack(v.x, v.y), pack(v.z, v.w));
+    }
+}
+#ifndef BWD_ASYNC
+#define BWD_ASYNC 0  // 1: the backward kernel stages the next Q and dO tiles (fp32, cp.async) while it computes
+#endif
+// stage_tile: load_tile's fp32 rows by cp.async into st ([TILE][HD] floats), zeros past n;
+// convert_tile: then to fp16. A thread converts the float4s it staged itself.
+__device__ __forceinline__ void stage_tile(float* st, const float* g, long long ld, int row0, int n, int col0) {
+    for (int f = threadIdx.x; f < TILE * HD / 4; f += THREADS) {
+        const int r = f / (HD / 4), c = 4 * (f % (HD / 4));
+        const bool in = row0 + r < n;
+        const float* src = in ? g + (long long)(row0 + r) * ld + col0 + c : g;
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(st + r * HD + c));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(in ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;");
+}
+__device__ __forceinline__ void convert_tile(half_t* s, const float* st) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    for (int f = threadIdx.x; f < TILE * HD / 4; f += THREADS) {
+        const int r = f / (HD / 4), c = 4 * (f % (HD / 4));
+        const float4 v = *reinterpret_cast<const float4*>(st + r * HD + c);
         *reinterpret_cast<uint2*>(s + r * LD + c) = make_uint2(pack(v.x, v.y), pack(v.z, v.w));
     }
 }
@@ -164,16 +189,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_bwd(
     half_t *k_s = smem, *v_s = k_s + TILE * LD, *q_s = v_s + TILE * LD, *do_s = q_s + TILE * LD,
            *p_s = do_s + TILE * LD, *ds_s = p_s + TILE * LD;
     float *lse_s = reinterpret_cast<float*>(ds_s + TILE * LD), *d_s = lse_s + TILE;
+    float *q_st = d_s + TILE, *do_st = q_st + TILE * HD;  // BWD_ASYNC: the next tiles, fp32
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, key0 = blockIdx.x * TILE, D = heads * HD;
     const float* kvb = kv + (long long)b * nt * 2 * D;
     load_tile(k_s, kvb, 2 * D, key0, nt, h * HD);
     load_tile(v_s, kvb, 2 * D, key0, nt, D + h * HD);
     float dk[8][4] = {}, dv[8][4] = {};
+    const float *qb = q + (long long)b * nv * D, *dob = dout + (long long)b * nv * D;
+    if (BWD_ASYNC) {
+        stage_tile(q_st, qb, D, 0, nv, h * HD);
+        stage_tile(do_st, dob, D, 0, nv, h * HD);
+    }
     for (int row0 = 0; row0 < nv; row0 += TILE) {
         __syncthreads();  // the previous tile's operands are read
-        load_tile(q_s, q + (long long)b * nv * D, D, row0, nv, h * HD);
-        load_tile(do_s, dout + (long long)b * nv * D, D, row0, nv, h * HD);
+        if (BWD_ASYNC) {
+            convert_tile(q_s, q_st);
+            convert_tile(do_s, do_st);
+        } else {
+            load_tile(q_s, qb, D, row0, nv, h * HD);
+            load_tile(do_s, dob, D, row0, nv, h * HD);
+        }
         if (threadIdx.x < TILE) {
             const int row = row0 + threadIdx.x;
             const long long at = ((long long)b * heads + h) * nv + row;
@@ -181,6 +217,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_bwd(
             d_s[threadIdx.x] = row < nv ? drow[at] : 0.f;
         }
         __syncthreads();
+        if (BWD_ASYNC && row0 + TILE < nv) {  // every thread has converted the staged tiles
+            stage_tile(q_st, qb, D, row0 + TILE, nv, h * HD);
+            stage_tile(do_st, dob, D, row0 + TILE, nv, h * HD);
+        }
         float s[8][4] = {}, dp[8][4] = {};
         for (int kk = 0; kk < 4; ++kk) {
             unsigned qa[4], da[4];
@@ -283,8 +323,9 @@ def main():
     parser.add_argument("shapes", nargs="+")
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
-    module = cupy.RawModule(code=SOURCE, options=("-std=c++17", "--use_fast_math"))
-    fwd, bwd = module.get_function("split_fwd"), module.get_function("split_bwd")
+    modules = [cupy.RawModule(code=SOURCE, options=("-std=c++17", "--use_fast_math", f"-DBWD_ASYNC={a}"))
+               for a in (0, 1)]
+    fwd = modules[0].get_function("split_fwd")
     heads, scale = 16, 0.125
     d = heads * 64
     for shape in args.shapes:
@@ -292,41 +333,45 @@ def main():
         rng = cupy.random.default_rng(0)
         q, dout = (rng.standard_normal((b * nv, d), dtype=numpy.float32) for _ in range(2))
         kv = rng.standard_normal((b * nt, 2 * d), dtype=numpy.float32)
-        o, dq = cupy.full((b * nv, d), numpy.nan, numpy.float32), cupy.empty((b * nv, d), numpy.float32)
-        dkv = cupy.full((b * nt, 2 * d), numpy.nan, numpy.float32)
+        want = reference(q, kv, dout, b, nv, nt, heads, scale)
         lse, drow = cupy.empty((b, heads, nv), numpy.float32), cupy.empty((b, heads, nv), numpy.float32)
-        n = numpy.int32
-        bwd_smem = 6 * 64 * 72 * 2 + 2 * 64 * 4
-        bwd.max_dynamic_shared_size_bytes = bwd_smem
+        n, f = numpy.int32, numpy.float32
+        row = [shape]
+        for label, module in (("fwd only", None), ("fwd + bwd", modules[0]), ("fwd + bwd, cp.async", modules[1])):
+            o, dq = cupy.full((b * nv, d), numpy.nan, numpy.float32), cupy.empty((b * nv, d), numpy.float32)
+            dkv = cupy.full((b * nt, 2 * d), numpy.nan, numpy.float32)
+            bwd = module and module.get_function("split_bwd")
+            bwd_smem = 6 * 64 * 72 * 2 + 2 * 64 * 4 + (2 * 64 * 64 * 4 if module is modules[1] else 0)
+            if bwd:
+                bwd.max_dynamic_shared_size_bytes = bwd_smem
 
-        def run():
-            dq.fill(0)
-            fwd((-(-nv // 64), heads, b), (128,), (q, kv, dout, o, lse, drow, n(nv), n(nt), n(heads),
-                                                  numpy.float32(scale * numpy.log2(numpy.e))))
-            bwd((-(-nt // 64), heads, b), (128,), (q, kv, dout, lse, drow, dq, dkv, n(nv), n(nt), n(heads),
-                                                  numpy.float32(scale), numpy.float32(scale * numpy.log2(numpy.e))),
-                shared_mem=bwd_smem)
-        run()
-        errors = [float(cupy.abs(got - want).max() / cupy.abs(want).max())
-                  for got, want in zip((o, dq, dkv), reference(q, kv, dout, b, nv, nt, heads, scale))]
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:  # one CUDA graph of the three launches, replayed ten at a time: no host time in it
-            stream.begin_capture()
+            def run():
+                dq.fill(0)
+                fwd((-(-nv // 64), heads, b), (128,),
+                    (q, kv, dout, o, lse, drow, n(nv), n(nt), n(heads), f(scale * numpy.log2(numpy.e))))
+                if bwd:
+                    bwd((-(-nt // 64), heads, b), (128,), (q, kv, dout, lse, drow, dq, dkv, n(nv), n(nt), n(heads),
+                                                          f(scale), f(scale * numpy.log2(numpy.e))), shared_mem=bwd_smem)
             run()
-            graph = stream.end_capture()
-        times = []
-        for _ in range(args.reps):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            for _ in range(10):
-                graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
-        print(f"{shape}: fwd + bwd (with dQ's memset) {numpy.median(times):.1f} us (graph replays, warm L2, median of {args.reps}); "
-              f"relative max errors O {errors[0]:.2e}, dQ {errors[1]:.2e}, dK|dV {errors[2]:.2e}; "
-              f"registers fwd {fwd.num_regs}, bwd {bwd.num_regs}")
-
+            outputs = (o, dq, dkv) if bwd else (o,)
+            errors = [float(cupy.abs(got - ref).max() / cupy.abs(ref).max()) for got, ref in zip(outputs, want)]
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:  # one CUDA graph of the launches, replayed ten at a time: no host time in it
+                stream.begin_capture()
+                run()
+                graph = stream.end_capture()
+            times = []
+            for _ in range(args.reps):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                for _ in range(10):
+                    graph.launch(stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
+            row.append(f"{label} {numpy.median(times):.1f} us (max rel. errors "
+                       + ", ".join(f"{e:.1e}" for e in errors) + (f"; {bwd.num_regs} registers)" if bwd else ")"))
+        print(" | ".join(row) + f" | fwd {fwd.num_regs} registers; graph replays, warm L2, medians of {args.reps}")
 
 if __name__ == "__main__":
     main()
