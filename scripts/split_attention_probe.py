@@ -9,8 +9,9 @@ the plan's graph: `graph_kernels.py SHAPE fp16 --trace --kernels`) and check it 
 CuPy reference of the same math. Measured on the H200 (perf-notes, Session 20): as fast as
 attn_bwd on the three streamed cases (38.8 / 38.5, 63.8 / 63.0, 154.0 / 154.1 µs), not the
 2–2.5× the shorter chains predicted, with fp16-level errors (≤ 1.3e-3 of each output's max).
-Each line: the forward kernel alone, then with the backward kernel (and dQ's memset), then with
-the backward kernel that stages its next Q and dO tiles by cp.async (BWD_ASYNC).
+Each line: the forward kernel alone, then with the backward kernel (and dQ's memset); then both
+again on fp16 copies of Q, K|V and dO (INPUT_HALF: tiles copied by cp.async, the next one while
+the present one is used): 29.8, 63.6 and 117.0 µs on the three cases (perf-notes, Session 20).
 
 Usage: PYTHONPATH=. python3 scripts/split_attention_probe.py [--reps 50] 2x256x211 4x256x293 8x256x373
 """
@@ -73,29 +74,33 @@ __device__ __forceinline__ void load_tile(half_t* s, const float* g, long long l
         *reinterpret_cast<uint2*>(s + r * LD + c) = make_uint2(pack(v.x, v.y), pack(v.z, v.w));
     }
 }
-#ifndef BWD_ASYNC
-#define BWD_ASYNC 0  // 1: the backward kernel stages the next Q and dO tiles (fp32, cp.async) while it computes
+#ifndef INPUT_HALF
+#define INPUT_HALF 0  // 1: Q, K|V and dO arrive as fp16 and are copied into the tiles by cp.async
 #endif
-// stage_tile: load_tile's fp32 rows by cp.async into st ([TILE][HD] floats), zeros past n;
-// convert_tile: then to fp16. A thread converts the float4s it staged itself.
-__device__ __forceinline__ void stage_tile(float* st, const float* g, long long ld, int row0, int n, int col0) {
-    for (int f = threadIdx.x; f < TILE * HD / 4; f += THREADS) {
-        const int r = f / (HD / 4), c = 4 * (f % (HD / 4));
+#if INPUT_HALF
+typedef half_t in_t;
+#else
+typedef float in_t;
+#endif
+// A tile (load_tile's rows and columns) into shared memory: fp32 loaded and converted, or fp16
+// copied by cp.async (16 bytes a copy, zeros past n), which the caller commits and waits for.
+__device__ __forceinline__ void fetch_tile(half_t* s, const in_t* g, long long ld, int row0, int n, int col0) {
+#if INPUT_HALF
+    for (int f = threadIdx.x; f < TILE * HD / 8; f += THREADS) {
+        const int r = f / (HD / 8), c = 8 * (f % (HD / 8));
         const bool in = row0 + r < n;
-        const float* src = in ? g + (long long)(row0 + r) * ld + col0 + c : g;
-        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(st + r * HD + c));
+        const half_t* src = in ? g + (long long)(row0 + r) * ld + col0 + c : g;
+        const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(s + r * LD + c));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(in ? 16 : 0));
     }
-    asm volatile("cp.async.commit_group;");
+#else
+    load_tile(s, g, ld, row0, n, col0);
+#endif
 }
-__device__ __forceinline__ void convert_tile(half_t* s, const float* st) {
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    for (int f = threadIdx.x; f < TILE * HD / 4; f += THREADS) {
-        const int r = f / (HD / 4), c = 4 * (f % (HD / 4));
-        const float4 v = *reinterpret_cast<const float4*>(st + r * HD + c);
-        *reinterpret_cast<uint2*>(s + r * LD + c) = make_uint2(pack(v.x, v.y), pack(v.z, v.w));
-    }
+__device__ __forceinline__ void commit_and_wait_all() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -107,23 +112,39 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Grid (query tiles, H, B). q, dout, o: [B·Nv][D]; kv: [B·Nt][2D]; lse (log2 domain), drow: [B][H][Nv].
 extern "C" __global__ void __launch_bounds__(THREADS) split_fwd(
-        const float* q, const float* kv, const float* dout, float* o, float* lse, float* drow,
+        const in_t* q, const in_t* kv, const float* dout, float* o, float* lse, float* drow,
         int nv, int nt, int heads, float scale_log2) {
-    __shared__ __align__(16) half_t q_s[TILE * LD], k_s[TILE * LD], v_s[TILE * LD];
+    // INPUT_HALF: K and V double-buffered, the next tile copied while this one is used
+    __shared__ __align__(16) half_t q_s[TILE * LD], kv_s[1 + INPUT_HALF][2][TILE * LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, row0 = blockIdx.x * TILE, D = heads * HD;
-    const float* qb = q + (long long)b * nv * D;
-    const float* kvb = kv + (long long)b * nt * 2 * D;
-    load_tile(q_s, qb, D, row0, nv, h * HD);
-    __syncthreads();
+    const in_t* kvb = kv + (long long)b * nt * 2 * D;
+    fetch_tile(q_s, q + (long long)b * nv * D, D, row0, nv, h * HD);
+    if (INPUT_HALF) {
+        fetch_tile(kv_s[0][0], kvb, 2 * D, 0, nt, h * HD);
+        fetch_tile(kv_s[0][1], kvb, 2 * D, 0, nt, D + h * HD);
+    }
     unsigned qa[4][4];
-    for (int kk = 0; kk < 4; ++kk) load_a(qa[kk], q_s, 16 * warp, 16 * kk, lane);
     float acc[8][4] = {}, m[2] = {-INF, -INF}, l[2] = {0.f, 0.f};
     for (int key0 = 0; key0 < nt; key0 += TILE) {
-        __syncthreads();  // the previous tile's K and V are read
-        load_tile(k_s, kvb, 2 * D, key0, nt, h * HD);
-        load_tile(v_s, kvb, 2 * D, key0, nt, D + h * HD);
-        __syncthreads();
+        const int buf = INPUT_HALF ? (key0 / TILE) & 1 : 0;
+        half_t *k_s = kv_s[buf][0], *v_s = kv_s[buf][1];
+        if (INPUT_HALF) {
+            commit_and_wait_all();
+            __syncthreads();  // this tile is in; every thread is done with the other buffer
+            if (key0 + TILE < nt) {
+                fetch_tile(kv_s[buf ^ 1][0], kvb, 2 * D, key0 + TILE, nt, h * HD);
+                fetch_tile(kv_s[buf ^ 1][1], kvb, 2 * D, key0 + TILE, nt, D + h * HD);
+            }
+            commit();
+        } else {
+            __syncthreads();  // the previous tile's K and V are read
+            fetch_tile(k_s, kvb, 2 * D, key0, nt, h * HD);
+            fetch_tile(v_s, kvb, 2 * D, key0, nt, D + h * HD);
+            __syncthreads();
+        }
+        if (key0 == 0)
+            for (int kk = 0; kk < 4; ++kk) load_a(qa[kk], q_s, 16 * warp, 16 * kk, lane);
         float s[8][4] = {};
         for (int kk = 0; kk < 4; ++kk)
             for (int j = 0; j < 8; j += 2) {
@@ -183,43 +204,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_fwd(
 
 // Grid (key tiles, H, B). dq: [B·Nv][D], zeroed before (atomics); dkv: [B·Nt][2D].
 extern "C" __global__ void __launch_bounds__(THREADS) split_bwd(
-        const float* q, const float* kv, const float* dout, const float* lse, const float* drow,
+        const in_t* q, const in_t* kv, const in_t* dout, const float* lse, const float* drow,
         float* dq, float* dkv, int nv, int nt, int heads, float scale, float scale_log2) {
-    extern __shared__ __align__(16) half_t smem[];  // BWD_SMEM bytes: six operand tiles, then LSE and D
-    half_t *k_s = smem, *v_s = k_s + TILE * LD, *q_s = v_s + TILE * LD, *do_s = q_s + TILE * LD,
-           *p_s = do_s + TILE * LD, *ds_s = p_s + TILE * LD;
-    float *lse_s = reinterpret_cast<float*>(ds_s + TILE * LD), *d_s = lse_s + TILE;
-    float *q_st = d_s + TILE, *do_st = q_st + TILE * HD;  // BWD_ASYNC: the next tiles, fp32
+    // (6 + 2·INPUT_HALF) operand tiles: K, V, P, dS, then Q and dO (INPUT_HALF: two of each)
+    extern __shared__ __align__(16) half_t smem[];
+    half_t *k_s = smem, *v_s = k_s + TILE * LD, *p_s = v_s + TILE * LD, *ds_s = p_s + TILE * LD;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z, key0 = blockIdx.x * TILE, D = heads * HD;
-    const float* kvb = kv + (long long)b * nt * 2 * D;
-    load_tile(k_s, kvb, 2 * D, key0, nt, h * HD);
-    load_tile(v_s, kvb, 2 * D, key0, nt, D + h * HD);
+    const in_t* kvb = kv + (long long)b * nt * 2 * D;
+    fetch_tile(k_s, kvb, 2 * D, key0, nt, h * HD);
+    fetch_tile(v_s, kvb, 2 * D, key0, nt, D + h * HD);
     float dk[8][4] = {}, dv[8][4] = {};
-    const float *qb = q + (long long)b * nv * D, *dob = dout + (long long)b * nv * D;
-    if (BWD_ASYNC) {
-        stage_tile(q_st, qb, D, 0, nv, h * HD);
-        stage_tile(do_st, dob, D, 0, nv, h * HD);
+    const in_t *qb = q + (long long)b * nv * D, *dob = dout + (long long)b * nv * D;
+    if (INPUT_HALF) {
+        fetch_tile(ds_s + TILE * LD, qb, D, 0, nv, h * HD);
+        fetch_tile(ds_s + 2 * TILE * LD, dob, D, 0, nv, h * HD);
     }
     for (int row0 = 0; row0 < nv; row0 += TILE) {
-        __syncthreads();  // the previous tile's operands are read
-        if (BWD_ASYNC) {
-            convert_tile(q_s, q_st);
-            convert_tile(do_s, do_st);
+        const int buf = INPUT_HALF ? (row0 / TILE) & 1 : 0;
+        half_t *q_s = ds_s + (1 + 2 * buf) * TILE * LD, *do_s = q_s + TILE * LD;
+        if (INPUT_HALF) {
+            commit_and_wait_all();
+            __syncthreads();  // this tile is in; every thread is done with the other buffers, P and dS
+            if (row0 + TILE < nv) {
+                fetch_tile(q_s + (buf ? -2 : 2) * TILE * LD, qb, D, row0 + TILE, nv, h * HD);
+                fetch_tile(do_s + (buf ? -2 : 2) * TILE * LD, dob, D, row0 + TILE, nv, h * HD);
+            }
+            commit();
         } else {
-            load_tile(q_s, qb, D, row0, nv, h * HD);
-            load_tile(do_s, dob, D, row0, nv, h * HD);
-        }
-        if (threadIdx.x < TILE) {
-            const int row = row0 + threadIdx.x;
-            const long long at = ((long long)b * heads + h) * nv + row;
-            lse_s[threadIdx.x] = row < nv ? lse[at] : INF;
-            d_s[threadIdx.x] = row < nv ? drow[at] : 0.f;
-        }
-        __syncthreads();
-        if (BWD_ASYNC && row0 + TILE < nv) {  // every thread has converted the staged tiles
-            stage_tile(q_st, qb, D, row0 + TILE, nv, h * HD);
-            stage_tile(do_st, dob, D, row0 + TILE, nv, h * HD);
+            __syncthreads();  // the previous tile's operands are read
+            fetch_tile(q_s, qb, D, row0, nv, h * HD);
+            fetch_tile(do_s, dob, D, row0, nv, h * HD);
+            __syncthreads();
         }
         float s[8][4] = {}, dp[8][4] = {};
         for (int kk = 0; kk < 4; ++kk) {
@@ -237,7 +253,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_bwd(
             }
         }
         const int r0 = 16 * warp + g;
-        const float lse_r[2] = {lse_s[r0], lse_s[r0 + 8]}, d_r[2] = {d_s[r0], d_s[r0 + 8]};
+        float lse_r[2], d_r[2];
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + r0 + 8 * r;
+            const long long at = ((long long)b * heads + h) * nv + row;
+            lse_r[r] = row < nv ? lse[at] : INF;
+            d_r[r] = row < nv ? drow[at] : 0.f;
+        }
         for (int j = 0; j < 8; ++j)
             for (int e = 0; e < 4; ++e) {
                 const int key = key0 + 8 * j + 2 * t + (e & 1);
@@ -323,9 +345,8 @@ def main():
     parser.add_argument("shapes", nargs="+")
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
-    modules = [cupy.RawModule(code=SOURCE, options=("-std=c++17", "--use_fast_math", f"-DBWD_ASYNC={a}"))
-               for a in (0, 1)]
-    fwd = modules[0].get_function("split_fwd")
+    modules = [cupy.RawModule(code=SOURCE, options=("-std=c++17", "--use_fast_math", f"-DINPUT_HALF={half}"))
+               for half in (0, 1)]
     heads, scale = 16, 0.125
     d = heads * 64
     for shape in args.shapes:
@@ -337,21 +358,26 @@ def main():
         lse, drow = cupy.empty((b, heads, nv), numpy.float32), cupy.empty((b, heads, nv), numpy.float32)
         n, f = numpy.int32, numpy.float32
         row = [shape]
-        for label, module in (("fwd only", None), ("fwd + bwd", modules[0]), ("fwd + bwd, cp.async", modules[1])):
+        for label, half, backward in (("fwd", 0, False), ("fwd + bwd", 0, True), ("fp16 inputs: fwd", 1, False),
+                                      ("fwd + bwd", 1, True)):
+            fwd = modules[half].get_function("split_fwd")
+            operands = (q, kv, dout) if not half else (q.astype(numpy.float16), kv.astype(numpy.float16),
+                                                       dout.astype(numpy.float16))
             o, dq = cupy.full((b * nv, d), numpy.nan, numpy.float32), cupy.empty((b * nv, d), numpy.float32)
             dkv = cupy.full((b * nt, 2 * d), numpy.nan, numpy.float32)
-            bwd = module and module.get_function("split_bwd")
-            bwd_smem = 6 * 64 * 72 * 2 + 2 * 64 * 4 + (2 * 64 * 64 * 4 if module is modules[1] else 0)
+            bwd = modules[half].get_function("split_bwd") if backward else None
+            bwd_smem = (6 + 2 * half) * 64 * 72 * 2  # operand tiles (INPUT_HALF: Q and dO twice)
             if bwd:
                 bwd.max_dynamic_shared_size_bytes = bwd_smem
 
             def run():
                 dq.fill(0)
-                fwd((-(-nv // 64), heads, b), (128,),
-                    (q, kv, dout, o, lse, drow, n(nv), n(nt), n(heads), f(scale * numpy.log2(numpy.e))))
+                fwd((-(-nv // 64), heads, b), (128,), operands[:2] + (dout, o, lse, drow, n(nv), n(nt), n(heads),
+                                                                      f(scale * numpy.log2(numpy.e))))
                 if bwd:
-                    bwd((-(-nt // 64), heads, b), (128,), (q, kv, dout, lse, drow, dq, dkv, n(nv), n(nt), n(heads),
-                                                          f(scale), f(scale * numpy.log2(numpy.e))), shared_mem=bwd_smem)
+                    bwd((-(-nt // 64), heads, b), (128,), operands + (lse, drow, dq, dkv, n(nv), n(nt), n(heads),
+                                                                      f(scale), f(scale * numpy.log2(numpy.e))),
+                        shared_mem=bwd_smem)
             run()
             outputs = (o, dq, dkv) if bwd else (o,)
             errors = [float(cupy.abs(got - ref).max() / cupy.abs(ref).max()) for got, ref in zip(outputs, want)]
@@ -369,9 +395,10 @@ def main():
                 end.record(stream)
                 end.synchronize()
                 times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
+            regs = f"{fwd.num_regs}" + (f" + {bwd.num_regs}" if bwd else "")
             row.append(f"{label} {numpy.median(times):.1f} us (max rel. errors "
-                       + ", ".join(f"{e:.1e}" for e in errors) + (f"; {bwd.num_regs} registers)" if bwd else ")"))
-        print(" | ".join(row) + f" | fwd {fwd.num_regs} registers; graph replays, warm L2, medians of {args.reps}")
+                       + ", ".join(f"{e:.1e}" for e in errors) + f"; {regs} registers)")
+        print(" | ".join(row) + f" | graph replays, warm L2, medians of {args.reps}")
 
 if __name__ == "__main__":
     main()

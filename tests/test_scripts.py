@@ -105,11 +105,12 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_split_attention_probe_kernels_compile(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("input_half", [0, 1])
+def test_split_attention_probe_kernels_compile(arch, input_half, tmp_path, monkeypatch):
     from cupy_xattn import kernels
     (tmp_path / "split.cu").write_text(_script("split_attention_probe").SOURCE)
     monkeypatch.setattr(kernels, "SOURCE_DIRS", (tmp_path,))
-    cubin = kernels.compile_cubin("split.cu", arch)
+    cubin = kernels.compile_cubin("split.cu", arch, {"INPUT_HALF": input_half})
     assert b"split_fwd" in cubin and b"split_bwd" in cubin
 
 
