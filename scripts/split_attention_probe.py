@@ -11,7 +11,10 @@ attn_bwd on the three streamed cases (38.8 / 38.5, 63.8 / 63.0, 154.0 / 154.1 µ
 2–2.5× the shorter chains predicted, with fp16-level errors (≤ 1.3e-3 of each output's max).
 Each line: the forward kernel alone, then with the backward kernel (and dQ's memset); then both
 again on fp16 copies of Q, K|V and dO (INPUT_HALF: tiles copied by cp.async, the next one while
-the present one is used): 29.8, 63.6 and 117.0 µs on the three cases (perf-notes, Session 20).
+the present one is used): 29.8, 63.6 and 117.0 µs on the three cases (perf-notes, Session 20;
+measured at commit 8923047, before product_from_registers took the two register-operand products
+out of the kernels: nvcc 13 builds the same INPUT_HALF cubin from both, and for fp32 inputs one
+of the same size and registers with 222 bytes in a different order; not re-timed).
 
 Usage: PYTHONPATH=. python3 scripts/split_attention_probe.py [--reps 50] 2x256x211 4x256x293 8x256x373
 """
@@ -101,6 +104,21 @@ __device__ __forceinline__ void commit_and_wait_all() {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// acc[16 × 64] += X · T for a warp: X [16 × 64] in mma accumulator fragments (P or dS, rounded
+// to fp16 as A fragments: an m16n8 accumulator pair is an m16k16 A fragment), T [64][64] in shared memory.
+__device__ __forceinline__ void product_from_registers(float acc[8][4], const float x[8][4], const half_t* t_s,
+                                                       int lane) {
+    for (int kk = 0; kk < 4; ++kk) {
+        const unsigned a[4] = {pack(x[2 * kk][0], x[2 * kk][1]), pack(x[2 * kk][2], x[2 * kk][3]),
+                               pack(x[2 * kk + 1][0], x[2 * kk + 1][1]), pack(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+        for (int j = 0; j < 8; j += 2) {
+            unsigned bf[4];
+            load_b_kn(bf, t_s, 8 * j, 16 * kk, lane);
+            mma16816(acc[j], a, bf);
+            mma16816(acc[j + 1], a, bf + 2);
+        }
+    }
+}
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -169,16 +187,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_fwd(
         }
         for (int j = 0; j < 8; ++j)
             for (int e = 0; e < 4; ++e) { s[j][e] = exp2f(s[j][e] - m[e >> 1]); l[e >> 1] += s[j][e]; }
-        for (int kk = 0; kk < 4; ++kk) {
-            unsigned pa[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
-                              pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            for (int j = 0; j < 8; j += 2) {
-                unsigned bf[4];
-                load_b_kn(bf, v_s, 8 * j, 16 * kk, lane);
-                mma16816(acc[j], pa, bf);
-                mma16816(acc[j + 1], pa, bf + 2);
-            }
-        }
+        product_from_registers(acc, s, v_s, lane);  // O += P V
     }
     for (int r = 0; r < 2; ++r) {
         l[r] = quad_sum(l[r]);
@@ -272,16 +281,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_bwd(
                 *reinterpret_cast<unsigned*>(ds_s + (r0 + 8 * r) * LD + 8 * j + 2 * t) = pack(dp[j][2 * r], dp[j][2 * r + 1]);
             }
         float dqa[8][4] = {};
-        for (int kk = 0; kk < 4; ++kk) {
-            unsigned a[4] = {pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
-                             pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-            for (int j = 0; j < 8; j += 2) {
-                unsigned bf[4];
-                load_b_kn(bf, k_s, 8 * j, 16 * kk, lane);
-                mma16816(dqa[j], a, bf);
-                mma16816(dqa[j + 1], a, bf + 2);
-            }
-        }
+        product_from_registers(dqa, dp, k_s, lane);  // dQ / scale = dS K
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + r0 + 8 * r;
             if (row < nv)
