@@ -3,18 +3,20 @@ a forward pass over (query tile, head, batch) blocks for O, each row's log-sum-e
 D = rowsum(dO ∘ O), then a backward pass over (key tile, head, batch) blocks that keep their K, V
 tile and dK, dV accumulators and loop over the query tiles, adding dQ by fp32 atomics.
 
-Plain fp16 operands (a cast, no scales), no biases, text lengths or fp16 O, loads without
-cp.async: only to time the structure against attn_bwd (the library's streamed kernel; its time in
-the plan's graph: `graph_kernels.py SHAPE fp16 --trace --kernels`) and check it against a float32
-CuPy reference of the same math. Measured on the H200 (perf-notes, Session 20): as fast as
-attn_bwd on the three streamed cases (38.8 / 38.5, 63.8 / 63.0, 154.0 / 154.1 µs), not the
-2–2.5× the shorter chains predicted, with fp16-level errors (≤ 1.3e-3 of each output's max).
-Each line: the forward kernel alone, then with the backward kernel (and dQ's memset); then both
-again on fp16 copies of Q, K|V and dO (INPUT_HALF: tiles copied by cp.async, the next one while
-the present one is used): 29.8, 63.6 and 117.0 µs on the three cases (perf-notes, Session 20;
-measured at commit 8923047, before product_from_registers took the two register-operand products
-out of the kernels: nvcc 13 builds the same INPUT_HALF cubin from both, and for fp32 inputs one
-of the same size and registers with 222 bytes in a different order; not re-timed).
+Plain fp16 operands (a cast, no scales), no biases, text lengths or fp16 O: only to time the
+structure against attn_bwd (the library's streamed kernel; its time in the plan's graph:
+`graph_kernels.py SHAPE fp16 --trace --kernels`) and check it against a float32 CuPy reference of
+the same math. Each line: the forward kernel alone, then with the backward kernel (and dQ's
+memset); then both again on fp16 copies of Q, K|V and dO (INPUT_HALF: tiles copied by cp.async,
+the next one while the present one is used; otherwise fp32 loads converted as they are stored).
+
+Measured on the H200 (perf-notes, Session 20), against attn_bwd's 38.5, 63.0 and 154.1 µs: with
+fp32 loads as fast (38.8, 63.8, 154.0 µs at 8e5850e), not the 2–2.5× the shorter chains
+predicted; with fp16 inputs 29.8, 63.6 and 117.0 µs (at 8923047); errors fp16-level (≤ 1.3e-3
+of each output's max). Since then, not re-timed: the forward-alone line no longer includes dQ's
+memset (the recorded figures do), and product_from_registers took the two register-operand
+products out of the kernels (nvcc 13 builds the same INPUT_HALF cubin from both, and for fp32
+inputs one of the same size and registers with 222 bytes in another order).
 
 Usage: PYTHONPATH=. python3 scripts/split_attention_probe.py [--reps 50] 2x256x211 4x256x293 8x256x373
 """
@@ -371,7 +373,8 @@ def main():
                 bwd.max_dynamic_shared_size_bytes = bwd_smem
 
             def run():
-                dq.fill(0)
+                if bwd:
+                    dq.fill(0)  # the backward adds into dQ
                 fwd((-(-nv // 64), heads, b), (128,), operands[:2] + (dout, o, lse, drow, n(nv), n(nt), n(heads),
                                                                       f(scale * numpy.log2(numpy.e))))
                 if bwd:

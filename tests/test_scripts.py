@@ -115,20 +115,24 @@ def test_split_attention_probe_kernels_compile(arch, input_half, tmp_path, monke
 
 
 def test_split_attention_probe_reference_is_the_attention_backward(monkeypatch):
-    # NumPy stands in for CuPy; one (batch, head) recomputed from the formulas in attention_bwd.cu
+    # NumPy stands in for CuPy; every (batch, head) recomputed from the formulas in attention_bwd.cu
+    # (B ≠ H, so that batch and head swapped anywhere would show)
     import sys
     import numpy
     monkeypatch.setitem(sys.modules, "cupy", numpy)
-    b, nv, nt, heads, scale = 2, 5, 3, 2, 0.125
+    b, nv, nt, heads, scale = 3, 5, 4, 2, 0.125
     d = heads * 64
     rng = numpy.random.default_rng(1)
     q, dout, kv = rng.standard_normal((b * nv, d)), rng.standard_normal((b * nv, d)), rng.standard_normal((b * nt, 2 * d))
     o, dq, dkv = _script("split_attention_probe").reference(q, kv, dout, b, nv, nt, heads, scale)
-    rows, keys, cols = slice(nv, 2 * nv), slice(nt, 2 * nt), slice(64, 128)  # batch 1, head 1
-    Q, dO, K, V = q[rows, cols], dout[rows, cols], kv[keys, cols], kv[keys, d + 64:d + 128]
-    P = numpy.exp(scale * Q @ K.T)
-    P /= P.sum(1, keepdims=True)
-    dS = P * (dO @ V.T - (dO * (P @ V)).sum(1, keepdims=True))
-    for got, want in ((o[rows, cols], P @ V), (dq[rows, cols], scale * dS @ K),
-                      (dkv[keys, cols], scale * dS.T @ Q), (dkv[keys, d + 64:d + 128], P.T @ dO)):
-        numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    for i in range(b):
+        for h in range(heads):
+            rows, keys, cols, v_cols = (slice(i * nv, (i + 1) * nv), slice(i * nt, (i + 1) * nt),
+                                        slice(64 * h, 64 * h + 64), slice(d + 64 * h, d + 64 * h + 64))
+            Q, dO, K, V = q[rows, cols], dout[rows, cols], kv[keys, cols], kv[keys, v_cols]
+            P = numpy.exp(scale * Q @ K.T)
+            P /= P.sum(1, keepdims=True)
+            dS = P * (dO @ V.T - (dO * (P @ V)).sum(1, keepdims=True))
+            for got, want in ((o[rows, cols], P @ V), (dq[rows, cols], scale * dS @ K),
+                              (dkv[keys, cols], scale * dS.T @ Q), (dkv[keys, v_cols], P.T @ dO)):
+                numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
