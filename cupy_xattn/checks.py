@@ -46,6 +46,14 @@ INDEX_LIMIT = 2**31
 MAX_BATCH = 65535
 INPUT_ALIGNMENT = 16
 
+
+def batch_limit_problem(batch_size):
+    """The GPU backend's complaint about a batch past MAX_BATCH, or None (the full check's and plan()'s)."""
+    if batch_size > MAX_BATCH:
+        return f"batch size B={batch_size} exceeds {MAX_BATCH}, the GPU backend's limit (a grid dimension)"
+    return None
+
+
 _DLPACK_CPU = 1
 
 
@@ -360,8 +368,8 @@ def validate(arrays, *, scale, num_heads, precision, backend, out, caller="cross
         problems += [f"{what} = {size} elements overflows 32-bit indexing (limit {INDEX_LIMIT - 1})"
                      for what, size in sizes.items() if size >= INDEX_LIMIT]
 
-        if backend == "cupy" and B > MAX_BATCH:
-            problems.append(f"batch size B={B} exceeds {MAX_BATCH}, the GPU backend's limit (a grid dimension)")
+        if backend == "cupy" and (problem := batch_limit_problem(B)):
+            problems.append(problem)
 
     devices = {name: _device_id(a) for name, a in everything.items() if _device_id(a) is not None}
     if len(set(devices.values())) > 1:

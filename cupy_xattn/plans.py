@@ -56,9 +56,8 @@ class Plan:
             raise ValueError(f"plan sizes must be positive integers: {', '.join(bad)}")
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
-        if batch_size > checks.MAX_BATCH:  # every call would fail the full check
-            raise ValueError(f"batch size B={batch_size} exceeds {checks.MAX_BATCH}, the GPU backend's limit "
-                             "(a grid dimension)")
+        if problem := checks.batch_limit_problem(batch_size):  # every call would fail the full check
+            raise ValueError(problem)
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
         self.batch_size, self.num_video_tokens, self.num_text_tokens = batch_size, num_video_tokens, num_text_tokens
