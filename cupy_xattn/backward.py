@@ -120,10 +120,11 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     tile = sm_count * 128 * 128
     names = ("q0", "kv0", "dout", "dwo", "dx", "dwq", "dt", "dwkv")
     half, third, two_thirds = sm_count // 2, sm_count // 3, 2 * sm_count // 3
-    if precision == "fp32" and 4 * mt * d <= tile and 4 * mv * d <= 3 * tile:
-        return dict(zip(names, (half, third, half, third, half, two_thirds, third, two_thirds)))
-    if precision == "fp32" and 4 * mt * d <= tile and mv * d <= tile:
-        return dict(zip(names, (two_thirds, half, 0, third, third, two_thirds, third, 0)))
+    if precision == "fp32" and 4 * mt * d <= tile:
+        if 4 * mv * d <= 3 * tile:
+            return dict(zip(names, (half, third, half, third, half, two_thirds, third, two_thirds)))
+        if mv * d <= tile:
+            return dict(zip(names, (two_thirds, half, 0, third, third, two_thirds, third, 0)))
     if precision != "tf32" and 4 * max(mv, mt) * d <= tile:
         return dict(zip(names, (third, third, third, 0, half, half, half, half)))
     return dict.fromkeys(names, 0)
