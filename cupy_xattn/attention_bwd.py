@@ -32,6 +32,13 @@ RESIDENT_KEY_SPLIT = 2
 #: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync
 WGMMA = True
 _REDUCE_THREADS = 256
+
+
+def kv_half_alpha(hidden_size):
+    """The alpha of the GEMM that writes the fp16 [K0 | V0] (kv_half) from the fp16 copies of T and
+    [Wk; Wv], each element at most 2^15 in magnitude (half_scaling.cu): 2^-(16 + ⌈log2 D⌉) puts
+    each of its sums of D products under 2^14, whatever the inputs (attention_bwd.cu's kv_half_scale)."""
+    return 2.0 ** -(16 + (hidden_size - 1).bit_length())
 #: the scalars an fp16 O needs (AttentionBackward's o_scales): read, then written
 O_SCALES = ("inv_t", "inv_w", "inv_bv", "inv_dy", "inv_o", "alpha_o")
 
@@ -59,14 +66,16 @@ def operand_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
-def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False):
+def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False, kv_half=False):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT, and whether it
-    runs on wgmma: its tiles are then unpadded core matrices).
+    runs on wgmma: its tiles are then unpadded core matrices; and whether the streamed kernel
+    reads an fp16 [K0 | V0], ATTN_KV_HALF).
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
     the P and dS tiles (one tile with fp32 operands: dS overwrites P); with fp16 operands, the
-    streamed kernel's next K and V tiles staged as fp32.
+    streamed kernel's next K and V tiles staged as fp32, or with kv_half copied as they are
+    into a second pair of operand tiles.
     Aim for as many blocks per SM when splitting the query rows of a (batch, head) pair: each
     extra chunk costs a dK/dV partial to reduce. head_dim 128 always streams (the resident
     kernel's dK/dV accumulators would double), two blocks per SM.
@@ -83,8 +92,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
         return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     p_ds = BLOCK_Q * (kv + 8) * p_ds_tiles
-    smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row + p_ds)
-    if operand_bytes(precision) == 2:
+    smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row * (1 + kv_half) + p_ds)
+    if operand_bytes(precision) == 2 and not kv_half:
         smem += 4 * 2 * kv * head_dim  # the next key/value tile, staged as fp32
     blocks = 2 if precision == "fp32" or head_dim > 64 or kv > 32 else 3  # ATTN_MIN_BLOCKS in the source
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
@@ -95,6 +104,13 @@ def uses_wgmma(layout, precision, compute_capability):
     name, keys, rows, *_, key_split = layout
     return (WGMMA and str(compute_capability) == "90" and keys > 0 and rows == 64 and key_split == 1
             and operand_bytes(precision) == 2)
+
+
+def half_kv(problem, precision, sm_count):
+    """Whether [K0 | V0] reaches the attention as fp16 (ATTN_KV_HALF): in the fp16 mode, where the
+    streamed kernel runs (Nt > RESIDENT_MAX_KEYS or head_dim 128), whose key/value tiles are then
+    copied by cp.async as they are, one tile ahead (the resident kernel loads its keys once)."""
+    return precision == "fp16" and launch_layout(problem, precision, sm_count)[1] == 0
 
 
 def o_t_stride(rows):
@@ -175,6 +191,8 @@ class AttentionBackward:
         ``o_scales`` (fp32: and ``o_lo``).
     reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
         :attr:`partials` (the fp16 and fp32 modes' conversion does, reading them once).
+    kv_half : ``kv0`` is float16, [K0 | V0] · s_KV with s_KV = s_T · s_W · kv_half_alpha(D), where
+        1 / s_T and 1 / s_W are ``o_scales``' inv_t and inv_w (ATTN_KV_HALF; where half_kv says).
     """
 
     @staticmethod
@@ -185,11 +203,15 @@ class AttentionBackward:
             return 0
         return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size
 
-    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_dkv=True):
+    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_dkv=True,
+                 kv_half=False):
         check_head_dim(problem)
         if o_half and (o_transposed or precision not in ("fp16", "fp32")):
             raise ValueError(f"an fp16 O is written row-major in the fp16 and fp32 modes, not with "
                              f"o_transposed={o_transposed}, precision={precision!r}")
+        if kv_half and not (o_half and half_kv(problem, precision, sm_count)):
+            raise ValueError("an fp16 [K0 | V0] goes to the fp16 mode's streamed kernel, with o_half (its scale "
+                             "comes from o_scales)")
         cupy = import_cupy()
         self.o_half = o_half
         self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
@@ -197,8 +219,9 @@ class AttentionBackward:
         layout = launch_layout(problem, precision, sm_count)
         (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk, split) = layout
         self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
-        if self.wgmma:
-            self._smem_bytes = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split, True)[3]
+        if self.wgmma or kv_half:
+            self._smem_bytes = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split, self.wgmma,
+                                             kv_half)[3]
         arch = "sm_90a" if self.wgmma else None
         self._threads = rows // 16 * 32 * split
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
@@ -207,7 +230,7 @@ class AttentionBackward:
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
                    "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
-                   "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma)}
+                   "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma), "ATTN_KV_HALF": int(kv_half)}
         self._main = kernels.get_kernel(SOURCE, name, defines, arch)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -236,7 +259,7 @@ class AttentionBackward:
         Parameters
         ----------
         q0 : (B·Nv, D) float32, X Wq^T without the bias.
-        kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases.
+        kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases (with kv_half float16, times s_KV).
         bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
         dout : (B·Nv, D) float32, dO = dY Wo.
         o, dq : (B·Nv, D) float32 outputs: the attention output O (with o_transposed O^T, a

@@ -3,7 +3,9 @@
 With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by side):
 
     Q0 = X Wq^T            [K0 | V0] = T [Wk | Wv]^T (one batched GEMM)     dO = dY Wo
-    attention kernel → O, dQ, dKV = [dK | dV]                  (biases bq, bk, bv added inside)
+    attention kernel → O, dQ, dKV = [dK | dV]                  (biases bq, bk, bv added inside;
+                                 fp16 mode, Nt > 80: [K0 | V0] written as fp16 by its GEMM, bk and bv
+                                 left out where they cancel, attention_bwd.cu's ATTN_KV_HALF)
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row,
                                                  mostly over partial sums that other kernels write)
@@ -45,7 +47,7 @@ import numpy
 from . import _cublas
 from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
-from .attention_bwd import AttentionBackward, launch_layout, o_t_stride
+from .attention_bwd import AttentionBackward, half_kv, kv_half_alpha, launch_layout, o_t_stride
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler, column_sum_rows
 from .transpose import Transposed
@@ -205,9 +207,14 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
+        # fp16, streamed attention: [K0 | V0] in fp16 from its GEMM (at alpha kv_half_alpha), whose
+        # tiles the attention copies as they are
+        kv_half = half_kv(problem, precision, sm_count)
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
-                                            o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision))
-        self._q0, self._kv0, self._dout = f32(mv, d), f32(mt, 2 * d), f32(mv, d)
+                                            o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision),
+                                            kv_half=kv_half)
+        self._q0, self._dout = f32(mv, d), f32(mv, d)
+        self._kv0 = cupy.empty((mt, 2 * d), numpy.float16) if kv_half else f32(mt, 2 * d)
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         # [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
@@ -219,7 +226,8 @@ class Backward:
         self._text_lengths = cupy.full(b, nt, numpy.int32)
         self._padded = False
         self._ones = cupy.ones(max(mv, mt), numpy.float32)
-        self._constants = cupy.array([0.0, 1.0], numpy.float32)  # beta = 0, beta = alpha = 1
+        # beta = 0, beta = alpha = 1, the alpha of the fp16 [K0 | V0]
+        self._constants = cupy.array([0.0, 1.0, kv_half_alpha(d)], numpy.float32)
         self._lanes = [stream] + [cupy.cuda.Stream(non_blocking=True) for _ in range(_LANES - 1)]
         self._handles = [_cublas.Handle(lane) for lane in self._lanes]
         self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(_LANES)]
@@ -242,9 +250,10 @@ class Backward:
         mv, mt = b * nv, b * nt
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         n_chunks = launch_layout(problem, precision, sm_count)[5]
-        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d)) + mt * 2 * d
+        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d))
                     + math.prod(_dkv_shape(precision, n_chunks, mt, d))
-                    + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [K0|V0], [dK|dV]; ones
+                    + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [dK|dV]; ones
+        fp32 += (2 if half_kv(problem, precision, sm_count) else 4) * mt * 2 * d  # [K0|V0]
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if _half_mode(precision):  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
@@ -257,7 +266,8 @@ class Backward:
     # -- recording ---------------------------------------------------------------------------
 
     def _gemm(self, a, b, c, *, m, n, k, lda, ldb, ldc, trans_a=False, trans_b=False,
-              data_type=_R_32F, compute=None, alpha=None, alpha_lo_b=None, accumulate=False, lane=0, sm_target=0):
+              data_type=_R_32F, out_type=_R_32F, compute=None, alpha=None, alpha_lo_b=None, accumulate=False,
+              lane=0, sm_target=0):
         """Record row-major ``c[i] = alpha · op(a[i]) op(b[i]) (+ c[i])`` for each i of the batch, on ``lane``.
 
         a, b, c: lists of table entries (one per batch member). cuBLAS is column-major: the
@@ -284,7 +294,7 @@ class Backward:
                                 beta=beta: handle.gemm_batched(
                                     OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha,
                                     table.address(slot_b), data_type, ldb, table.address(slot_a), data_type, lda,
-                                    beta, table.address(slot_c), _R_32F, ldc, len(c), compute,
+                                    beta, table.address(slot_c), out_type, ldc, len(c), compute,
                                     sm_target=sm_target), lane))
 
     def _fork(self):
@@ -330,8 +340,12 @@ class Backward:
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
              alpha=alpha(_X, _WQ), sm_target=sms["q0"], **half)
-        gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, 4 * d)], m=mt, n=d, k=d, lda=d, ldb=d,
-             ldc=2 * d, trans_b=True, alpha=alpha(_T, _WKV), lane=1, sm_target=sms["kv0"], **half)
+        if self._kv0.dtype == numpy.float16:  # at alpha kv_half_alpha: every element under 2^14 (attention_bwd)
+            kv_out = dict(alpha=addr(self._constants, 8), out_type=_R_16F)
+        else:
+            kv_out = dict(alpha=alpha(_T, _WKV))
+        gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, self._kv0.itemsize * d)], m=mt, n=d, k=d, lda=d,
+             ldb=d, ldc=2 * d, trans_b=True, lane=1, sm_target=sms["kv0"], **kv_out, **half)
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
              sm_target=sms["dout"], **half)
         self._join()

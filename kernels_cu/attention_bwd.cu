@@ -8,7 +8,8 @@
 // S, P and dS live only in registers and shared memory.
 //
 // Layouts (row-major fp32, heads side by side in the hidden dimension D = H·d):
-//   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D))
+//   q0, dout, o, dq : [B·Nv, D]            kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D);
+//                     fp16 at one scale with ATTN_KV_HALF, below)
 //   o has row stride ld_o (D); with ATTN_O_TRANSPOSED it is O^T instead: D rows of B·Nv, row
 //                     stride ld_o ≥ B·Nv (the launcher rounds it up to 32 floats, for 16-byte
 //                     aligned rows): the tf32 mode's dWo = dY^T O then reads both operands
@@ -40,6 +41,15 @@
 #ifndef ATTN_O_HALF
 #define ATTN_O_HALF 0
 #endif
+// ATTN_KV_HALF (the fp16 mode's streamed kernel): kv0 is fp16, [K0 | V0] · s_KV as its GEMM wrote it,
+// one power-of-two scale for the whole tensor (kv_half_scale); key/value tiles are copied into the
+// operand tiles by cp.async, the next while the present one is used. bk and bv are not added to the
+// tiles: bk shifts each row of S by a constant (Q·bk), which the softmax takes out, and adds
+// rowsum(dS)·bk = 0 to dQ; bv shifts each row of dP by a constant (dO·bv), which D takes out of dS,
+// and O by bv, added to O before it is stored.
+#ifndef ATTN_KV_HALF
+#define ATTN_KV_HALF 0
+#endif
 
 // Keys kept resident by attn_bwd_resident (0: that kernel is not compiled).
 #ifndef ATTN_KEYS
@@ -59,6 +69,13 @@ static_assert(!ATTN_WGMMA || ATTN_KEYS > 0, "wgmma: the resident kernel only");
 
 static_assert(!ATTN_O_HALF || ((ATTN_HALF || ATTN_SPLIT3) && !ATTN_O_TRANSPOSED),
               "fp16 O: row-major, from the fp16-operand or the 3xTF32 build");
+static_assert(!ATTN_KV_HALF || (ATTN_HALF && ATTN_O_HALF && !ATTN_KEYS),
+              "fp16 K0 | V0: the streamed kernel of the fp16 mode (its scale comes from O's scalars)");
+#if ATTN_KV_HALF
+typedef unsigned short kv_t;  // fp16 bits
+#else
+typedef float kv_t;
+#endif
 #if ATTN_O_HALF
 typedef unsigned short o_t;  // fp16 bits
 #else
@@ -170,6 +187,29 @@ __device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4
         for (int i = 0; i < 4; ++i) dp[n][i] = p[n][i] * (dp[n][i] - d_row[i / 2]) * scale;
 }
 
+// dS's scale in the ATTN_KV_HALF build, from the dP of pass 1 (the same products as pass 2's):
+// |dS| = P·|dP − D|·scale ≤ 2·max|dP|·scale, as P ≤ 1 and |D| ≤ max|dP| (P's rows sum to 1); the
+// block's max of |dP| is in red (publish_max at the end of pass 1, a barrier before this read).
+// ds_bound_scale's bound through max|V| would be as loose as s_KV's (~2^11 on the benchmark's
+// inputs, more where padded text rows raise max|T|), pushing dS's elements into fp16's subnormals.
+__device__ __forceinline__ float ds_observed_scale(const float* red, float scale) {
+    float m = red[0];
+#pragma unroll
+    for (int w = 1; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+    return pow2_scale(2.f * scale * m);
+}
+
+// c[·][col] += bias[col] for a warp's 16-row accumulator tile (C layout: columns n·8 + 2t, + 1).
+template <int NT>
+__device__ __forceinline__ void add_to_columns(float c[NT][4], const float* __restrict__ bias, int t) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const float2 b = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * t);
+        c[n][0] += b.x, c[n][1] += b.y;
+        c[n][2] += b.x, c[n][3] += b.y;
+    }
+}
+
 // Store this warp's rows of dS (at scale s_ds) in ds_s and run dv_product (dV += P^T dO, which reads
 // every row of P) on the right side of the barriers. fp16 builds: dS has a buffer of its own, so one
 // barrier publishes P and dS together and the products dV, dK, dQ follow back to back. fp32 builds:
@@ -192,12 +232,13 @@ __device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4],
 // The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
 // batch, and its own slice of the dK/dV partials.
 struct HeadSlices {
-    const float *q, *dout, *k, *v;
+    const float *q, *dout;
+    const kv_t *k, *v;
     o_t* o;
     float *dq, *dk, *dv;
 };
 
-__device__ __forceinline__ HeadSlices head_slices(const float* q0, const float* kv0, const float* dout, o_t* o,
+__device__ __forceinline__ HeadSlices head_slices(const float* q0, const kv_t* kv0, const float* dout, o_t* o,
                                                   float* dq, float* dkv_part, int n_video, int n_text, int hidden,
                                                   int ld_o) {
     const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
@@ -291,6 +332,16 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 #endif
 }
 
+// s_KV, the scale of the fp16 [K0 | V0] (ATTN_KV_HALF): its GEMM multiplies the copies of T and
+// [Wk; Wv], each element under 2^15 in magnitude (half_scaling.cu's window), so each sum is under
+// hidden · 2^30 and the GEMM's alpha, 2^-(16 + ⌈log2 hidden⌉) (backward.py), puts it under 2^14:
+// s_KV = s_T · s_W · alpha. Exponent arithmetic, clamped to fp32's normal range: it leaves that
+// only where max|T| · max|Wk, Wv| is under ~2^-100 or over ~2^150 (README: the fp16 mode's limits).
+__device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w) {
+    const int log2_hidden = 32 - __clz(hidden - 1);
+    return pow2(min(max(-exponent_of(*inv_t) - exponent_of(*inv_w) - 16 - log2_hidden, -126), 126));
+}
+
 // Block (0, 0, 0) leaves 1 / s_O in inv_o (the scale of O's slot, for the alphas the second
 // conversion sets) and dWo's alpha, inv_dy / s_O, in alpha_o[0]: so dWo = dY^T O can run as soon
 // as this kernel ends, beside that conversion. The same product as the alpha table's (the same
@@ -322,7 +373,7 @@ __device__ __forceinline__ void publish_o_scale(int hidden, const float* inv_t, 
 #endif
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
-attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const float* const* __restrict__ biases,
+attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float* const* __restrict__ biases,
          const float* __restrict__ dout, o_t* __restrict__ o, float* __restrict__ dq,
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
@@ -333,19 +384,18 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     extern __shared__ float4 smem4[];
     operand_t* q_s = reinterpret_cast<operand_t*>(smem4);  // [ATTN_BLOCK_Q][LD_HD]
     operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
-    operand_t* k_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
-    operand_t* v_s = k_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_KV][LD_HD]
-    operand_t* p_s = v_s + ATTN_BLOCK_KV * LD_HD;           // [ATTN_BLOCK_Q][LD_KV]: P
+    constexpr int KV_TILE = ATTN_BLOCK_KV * LD_HD, KV_BUFFERS = 1 + ATTN_KV_HALF;
+    operand_t* const k_tiles = do_s + ATTN_BLOCK_Q * LD_HD;  // [KV_BUFFERS][ATTN_BLOCK_KV][LD_HD]
+    operand_t* const v_tiles = k_tiles + KV_BUFFERS * KV_TILE;  // [KV_BUFFERS][ATTN_BLOCK_KV][LD_HD]
+    operand_t* p_s = v_tiles + KV_BUFFERS * KV_TILE;         // [ATTN_BLOCK_Q][LD_KV]: P
     operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_KV : p_s;  // [ATTN_BLOCK_Q][LD_KV]: dS (see store_ds)
-    float* stage_k = reinterpret_cast<float*>(ds_s + ATTN_BLOCK_Q * LD_KV);  // fp16 build: [ATTN_BLOCK_KV][head_dim]
-    float* stage_v = stage_k + ATTN_BLOCK_KV * ATTN_HEAD_DIM;              // fp16 build: [ATTN_BLOCK_KV][head_dim]
+    operand_t *k_s = k_tiles, *v_s = v_tiles;  // the key/value tile in use (ATTN_KV_HALF: one of two buffers)
     __shared__ float red[4][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const float* bq = biases[0] + col;
-    const float* bk = biases[1] + col;
     const float* bv = biases[2] + col;
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
@@ -368,6 +418,33 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         *reinterpret_cast<float2*>(hs.dv + at) = make_float2(0.f, 0.f);
     }
 
+#if ATTN_KV_HALF
+    // Key/value tile kv0 is copied by cp.async into buffer kv_buffer (prefetch_kv) one call of
+    // load_kv ahead, which waits for it, points k_s and v_s at it and starts copying the tile the
+    // next call takes, next_kv0 (none if negative), into the other buffer: one barrier a tile, and
+    // the copy overlaps a whole tile's products.
+    const float s_kv = kv_half_scale(hidden, inv_t, inv_w);
+    int kv_buffer = 0;
+    auto prefetch_kv = [&](int kv0) {
+        copy_half_tile<ATTN_BLOCK_KV>(k_tiles + kv_buffer * KV_TILE, hs.k, ld_kv, kv0, n_keys);
+        copy_half_tile<ATTN_BLOCK_KV>(v_tiles + kv_buffer * KV_TILE, hs.v, ld_kv, kv0, n_keys);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    auto load_kv = [&](int, int next_kv0, RunScale& k_scale, RunScale& v_scale) {
+        cp_async_wait_all();
+        __syncthreads();  // the tile is complete; the previous tile's readers of the other buffer are done
+        k_s = k_tiles + kv_buffer * KV_TILE;
+        v_s = v_tiles + kv_buffer * KV_TILE;
+        kv_buffer ^= 1;
+        if (next_kv0 >= 0) prefetch_kv(next_kv0);
+        k_scale.update(s_kv);
+        v_scale.update(s_kv);
+    };
+#else
+    const float* bk = biases[1] + col;
+    // fp16 build: the next key/value tile, staged as fp32 ([ATTN_BLOCK_KV][head_dim] each)
+    float* stage_k = reinterpret_cast<float*>(ds_s + ATTN_BLOCK_Q * LD_KV);
+    float* stage_v = stage_k + ATTN_BLOCK_KV * ATTN_HEAD_DIM;
     // Key/value tile kv0 into k_s and v_s at the runs' scales. The fp16 build takes it from the
     // staging (fp32), where the previous call (or the start) copied it with cp.async, and starts
     // copying the tile the next call takes, next_kv0 (none if negative): the tiles' global-memory
@@ -391,6 +468,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             __syncthreads();
         }
     };
+#endif
     if (ATTN_HALF && tile_begin < tile_end) prefetch_kv(0);
 
     for (int qt = tile_begin; qt < tile_end; ++qt) {
@@ -408,6 +486,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
         // of dS sums to zero up to rounding: with D from O, the mismatch between the rounding
         // of O and of dP becomes a systematic error in dQ, dWq, dbq and dbk.
         float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f}, d_run[2] = {0.f, 0.f};
+        float dp_max = 0.f;  // ATTN_KV_HALF: this thread's largest finite |dP|, for dS's scale (ds_observed_scale)
         float o_acc[NT_HD][4];  // at the scale P_SCALE·v_run.s of the latest tile's operands
         zero<NT_HD>(o_acc);
         RunScale v_run;
@@ -419,6 +498,12 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_scale.s), g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
             unscale<NT_KV>(dp, s_do, v_run.s);
+            if (ATTN_KV_HALF) {
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) dp_max = fmaxf(dp_max, finite_abs(dp[n][i]));
+            }
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -438,6 +523,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             __syncwarp();
         }
 
+        if (ATTN_KV_HALF) publish_max(red[2], dp_max);  // read in pass 2, after load_kv's barrier
         // Finish the row statistics and O; write O (the dWo GEMM needs it).
         float lse[2], d_row[2];
 #pragma unroll
@@ -453,6 +539,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             }
         }
         unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
+        if (ATTN_KV_HALF) add_to_columns<NT_HD>(o_acc, bv, t);  // O = P V0 + bv: V's tiles come without bv
         store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv),
                 o_lo_offset);
 
@@ -481,7 +568,7 @@ attn_bwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             score_grads<NT_KV>(dp, p, d_row, scale);  // dS, in the dp registers
             // D sums over every key tile of the row: the bound takes the largest |V| of them all, through
             // the least own scale pass 1 saw (v_run.least), not this tile's.
-            ds_run.update(ds_bound_scale(s_do, v_run.least, scale));
+            ds_run.update(ATTN_KV_HALF ? ds_observed_scale(red[2], scale) : ds_bound_scale(s_do, v_run.least, scale));
             const float dq_ratio = ds_run.ratio * k_run.ratio;
             if (dq_ratio != 1.f) scale_all<NT_HD>(dq_acc, dq_ratio);  // block-uniform
 

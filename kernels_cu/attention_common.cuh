@@ -488,6 +488,29 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+#if ATTN_HALF
+// Start copying rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns of an fp16 tensor, as they
+// are, into the operand tile dst (row stride LD_HD) with cp.async, 16 bytes at a time, rows at or
+// past n_valid as zeros; the caller commits the group. They are there after cp_async_wait_all() and
+// a barrier. For operands already scaled for fp16 in global memory (ATTN_KV_HALF): no pass through
+// registers, no conversion, half the bytes of fp32.
+template <int ROWS>
+__device__ __forceinline__ void copy_half_tile(operand_t* dst, const unsigned short* __restrict__ src, long long ld_src,
+                                               int row0, int n_valid) {
+    constexpr int PIECES = ATTN_HEAD_DIM / 8;  // of 16 bytes, a row
+    static_assert(ROWS * PIECES % ATTN_THREADS == 0 && !ATTN_WGMMA, "whole passes over row-major tiles");
+#pragma unroll
+    for (int i = threadIdx.x; i < ROWS * PIECES; i += ATTN_THREADS) {
+        const int row = i / PIECES, col = i % PIECES * 8;
+        const bool valid = row0 + row < n_valid;
+        const unsigned short* from = valid ? src + (long long)(row0 + row) * ld_src + col : src;  // 0 bytes read if not
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + row * LD_HD + col));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
+                     : "memory");
+    }
+}
+#endif
+
 // Two tiles into shared memory (TileIn), stored at the scales their runs give them (RunScale),
 // the tiles' own found over one __syncthreads (publish_max); 1 in the fp32 builds, with no barrier.
 template <int ROWS>

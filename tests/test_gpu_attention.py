@@ -12,7 +12,7 @@ TOLERANCE = {"tf32": 5e-3, "fp16": 5e-3, "fp32": 2e-5}
 
 
 @pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("fp16", "half"),
-                                                 ("fp32", "rows"), ("fp32", "half")])
+                                                 ("fp16", "half, fp16 K0|V0"), ("fp32", "rows"), ("fp32", "half")])
 @pytest.mark.parametrize("resident_rows, wgmma", [(64, True), (64, False), (128, False)])  # wgmma: sm_90 only
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
     (1, 1, 1), (2, 64, 77), (2, 691, 77), (1, 4096, 77), (8, 256, 373), (1, 100, 512), (3, 33, 31),
@@ -33,7 +33,9 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 
     poison = lambda shape: cupy.full(shape, numpy.nan, numpy.float32)  # noqa: E731
     rows = batch_size * n_video
-    o_transposed, o_half = o_layout == "transposed", o_layout == "half"
+    o_transposed, o_half, kv_half = o_layout == "transposed", o_layout.startswith("half"), "K0" in o_layout
+    if kv_half and (n_text <= attention_bwd.RESIDENT_MAX_KEYS or (resident_rows, wgmma) != (64, True)):
+        pytest.skip("an fp16 K0|V0 goes to the streamed kernel (once, not per resident-kernel knob)")
     o = poison((hidden, attention_bwd.o_t_stride(rows))) if o_transposed else poison(q0.shape)  # tf32's O^T
     o_scales, half_scales, o_lo = None, None, None
     if o_half:  # fp16 O at the scale of a bound on |V|: here 2 · (2 to 4 · max|V0| + 1 to 2 · max|bv|)
@@ -49,8 +51,15 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     biases = [cupy.asarray(b) for b in (bq, bk, bv)]
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
-    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half)
-    kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
+    kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half,
+                                             kv_half=kv_half)
+    kv0_in = cupy.asarray(kv0)
+    if kv_half:  # [K0 | V0] · s_KV in fp16, s_KV = alpha / (inv_t · inv_w); the reference takes the rounded values
+        s_kv = attention_bwd.kv_half_alpha(hidden) / (2.0 ** -15 * inv_w)
+        kv0_in = cupy.asarray(kv0 * s_kv).astype(numpy.float16)
+        kv0 = (cupy.asnumpy(kv0_in).astype(numpy.float64) / s_kv).astype(numpy.float32)
+        assert numpy.abs(kv0).max() * s_kv < 2.0 ** 15
+    kernel(cupy.asarray(q0), kv0_in, bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
            o_scales=o_scales, o_lo=None if o_lo is None else o_lo.data.ptr)
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731

@@ -39,6 +39,9 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KEYS": 80},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KEYS": 96, "ATTN_KEY_SPLIT": 2,
                                       "ATTN_RESIDENT_MIN_BLOCKS": 1},
+                                     {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
+                                     {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_BLOCK_KV": 64},
+                                     {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_HEAD_DIM": 128},
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1}, {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_KEYS": 80},
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_HEAD_DIM": 128}])
 def test_attention_kernel_variants_compile(defines, arch):

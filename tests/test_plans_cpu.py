@@ -202,8 +202,8 @@ def gpu(monkeypatch):
         max_dynamic_shared_size_bytes = 0
         preferred_shared_memory_carveout = -1
 
-        def __init__(self, filename, name):
-            self.name, self.n_params = name, _kernel_parameter_count(filename, name)
+        def __init__(self, filename, name, defines):
+            self.name, self.n_params, self.defines = name, _kernel_parameter_count(filename, name), defines or {}
 
         def __call__(self, grid, block, args, shared_mem=0):
             # A launch with the wrong argument count fails on a GPU (invalid argument or worse).
@@ -227,7 +227,7 @@ def gpu(monkeypatch):
             log.append(("gemm", args[-2], self.stream.ptr))  # batch count, stream
 
     monkeypatch.setattr(kernels, "get_kernel",
-                        lambda filename, name, defines=None, arch=None: FakeKernel(filename, name))
+                        lambda filename, name, defines=None, arch=None: FakeKernel(filename, name, defines))
     monkeypatch.setattr(backward._cublas, "Handle", FakeHandle)
     monkeypatch.setattr(plans, "_cache", type(plans._cache)())
 
@@ -852,6 +852,57 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
         got.setdefault(first, set()).add(target)
     assert all(got.pop(output) == {target} for output, target in zip(outputs, targets)), got
     assert all(targets == {0} for targets in got.values()), got  # the bias sums
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
+@pytest.mark.parametrize("shape, streamed", [((2, 70, 20), False), ((2, 70, 80), False), ((2, 70, 81), True),
+                                             ((4, 64, 200), True)])
+def test_the_fp16_modes_streamed_attention_gets_k0_v0_in_fp16(gpu, monkeypatch, precision, shape, streamed):
+    # Only there: [K0 | V0]'s GEMM writes fp16 at the constant alpha kv_half_alpha(D) (every sum
+    # of D products of copies under 2^15 lands under 2^14), and the attention is built to read it.
+    from cupy_xattn import attention_bwd, backward
+    from cupy_xattn.checks import Problem
+    from cupy_xattn.gemm import R_16F, R_32F
+    calls = _recording_cublas(monkeypatch)
+    program = backward.Backward(Problem(*shape, 256, 4, 64, 0.125), precision, gpu.null, 132)
+    program.run()
+    half = precision == "fp16" and streamed
+    assert program._kv0.dtype == (numpy.float16 if half else numpy.float32) and program._kv0.shape == (shape[0] * shape[2], 512)
+    kv0 = [args for args in calls if _table_entries(program, args[13], 1)[0] == program._kv0.data.ptr]
+    assert len(kv0) == (3 if precision == "fp32" else 1)  # fp32: three fp16 products
+    assert {args[14] for args in kv0} == {R_16F if half else R_32F}
+    assert _table_entries(program, kv0[0][13], 2)[1] == program._kv0.data.ptr + program._kv0.itemsize * 256  # V0
+    constant = program._constants.data.ptr + 8
+    assert all((args[5] == constant) == half for args in kv0)
+    assert program._attention._main.defines["ATTN_KV_HALF"] == int(half)
+    if half:  # shared memory for two fp16 key/value tiles, not the fp32 staging
+        assert program._attention._smem_bytes == attention_bwd.kernel_choice(shape[2], precision, kv_half=True)[3]
+
+
+@pytest.mark.parametrize("hidden", [1, 2, 64, 1000, 1024, 1025, 5120])
+def test_the_fp16_k0_v0_alpha_keeps_every_sum_of_copies_under_2_to_the_14(hidden):
+    from cupy_xattn.attention_bwd import kv_half_alpha
+    worst = hidden * 2.0 ** 30 * kv_half_alpha(hidden)  # D products of two elements of at most 2^15
+    assert 2.0 ** 13 < worst <= 2.0 ** 14
+
+
+@pytest.mark.parametrize("shape, precision, o_half", [((2, 70, 81), "tf32", False), ((2, 70, 81), "fp32", True),
+                                                      ((2, 70, 81), "fp16", False), ((2, 70, 80), "fp16", True)])
+def test_an_fp16_k0_v0_is_only_for_the_fp16_modes_streamed_kernel(shape, precision, o_half):
+    from cupy_xattn.attention_bwd import AttentionBackward
+    from cupy_xattn.checks import Problem
+    with pytest.raises(ValueError, match="fp16 \\[K0"):
+        AttentionBackward(Problem(*shape, 256, 4, 64, 0.125), precision, 132, o_half=o_half, kv_half=True)
+
+
+@pytest.mark.parametrize("block_kv_text, head_dim", [(100, 64), (300, 64), (300, 128)])
+def test_the_fp16_k0_v0_tiles_take_less_shared_memory_than_the_fp32_staging(block_kv_text, head_dim):
+    # Two fp16 key/value tiles of (head_dim + 8) operands a row in place of the staging's fp32 tile
+    from cupy_xattn.attention_bwd import kernel_choice, streamed_block_kv
+    staged = kernel_choice(block_kv_text, "fp16", head_dim)[3]
+    copied = kernel_choice(block_kv_text, "fp16", head_dim, kv_half=True)[3]
+    kv = streamed_block_kv(block_kv_text, "fp16", head_dim)
+    assert staged - copied == 4 * 2 * kv * head_dim - 2 * 2 * kv * (head_dim + 8)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
