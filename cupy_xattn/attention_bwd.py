@@ -32,6 +32,8 @@ RESIDENT_KEY_SPLIT = 2
 #: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync
 WGMMA = True
 _REDUCE_THREADS = 256
+#: the most query tiles a block of the resident kernel takes where it reads an fp16 [K0 | V0] (half_kv)
+KV_HALF_RESIDENT_TILES = 2
 
 
 def kv_half_alpha(hidden_size):
@@ -107,10 +109,15 @@ def uses_wgmma(layout, precision, compute_capability):
 
 
 def half_kv(problem, precision, sm_count):
-    """Whether [K0 | V0] reaches the attention as fp16 (ATTN_KV_HALF): in the fp16 mode, where the
-    streamed kernel runs (Nt > RESIDENT_MAX_KEYS or head_dim 128), whose key/value tiles are then
-    copied by cp.async as they are, one tile ahead (the resident kernel loads its keys once)."""
-    return precision == "fp16" and launch_layout(problem, precision, sm_count)[1] == 0
+    """Whether [K0 | V0] reaches the attention as fp16 (ATTN_KV_HALF), its tiles copied by cp.async as
+    they are: in the fp16 mode, by the streamed kernel, and by the resident one where its blocks take
+    at most KV_HALF_RESIDENT_TILES query tiles. Measured on the H200 (perf-notes v47, v48): streamed
+    8x256x373 −34 µs; resident, two tiles a block or fewer −0.5 to −4 µs a case, four or eight +1.5 to
+    +2.4 (the kernel ~5 % slower there: a cost per tile, not found, against a saving per block)."""
+    if precision != "fp16":
+        return False
+    _, keys, _, _, _, _, tiles_per_chunk, _ = launch_layout(problem, precision, sm_count)
+    return keys == 0 or tiles_per_chunk <= KV_HALF_RESIDENT_TILES
 
 
 def o_t_stride(rows):
@@ -210,7 +217,7 @@ class AttentionBackward:
             raise ValueError(f"an fp16 O is written row-major in the fp16 and fp32 modes, not with "
                              f"o_transposed={o_transposed}, precision={precision!r}")
         if kv_half and not (o_half and half_kv(problem, precision, sm_count)):
-            raise ValueError("an fp16 [K0 | V0] goes to the fp16 mode's streamed kernel, with o_half (its scale "
+            raise ValueError("an fp16 [K0 | V0] goes where half_kv says (the fp16 mode), with o_half (its scale "
                              "comes from o_scales)")
         cupy = import_cupy()
         self.o_half = o_half

@@ -489,25 +489,49 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 #if ATTN_HALF
+// each(row, col) for the 16-byte pieces (8 fp16 operands of a row) of a [ROWS][ATTN_HEAD_DIM] tile
+// that this thread copies (copy_half_tile) and later reads back (copied_half_amax).
+template <int ROWS, typename Each>
+__device__ __forceinline__ void for_each_half_piece(Each each) {
+    constexpr int PIECES = ATTN_HEAD_DIM / 8;  // a row
+#pragma unroll
+    for (int i = threadIdx.x; i < ROWS * PIECES; i += ATTN_THREADS) each(i / PIECES, i % PIECES * 8);
+}
+
 // Start copying rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns of an fp16 tensor, as they
-// are, into the operand tile dst (row stride LD_HD) with cp.async, 16 bytes at a time, rows at or
-// past n_valid as zeros; the caller commits the group. They are there after cp_async_wait_all() and
-// a barrier. For operands already scaled for fp16 in global memory (ATTN_KV_HALF): no pass through
-// registers, no conversion, half the bytes of fp32.
+// are, into the operand tile dst (operand_offset's layout, row stride LD_HD) with cp.async, 16 bytes
+// at a time, rows at or past n_valid as zeros; the caller commits the group. They are there after
+// cp_async_wait_all() and a barrier. For operands already scaled for fp16 in global memory
+// (ATTN_KV_HALF): no pass through registers, no conversion, half the bytes of fp32.
 template <int ROWS>
 __device__ __forceinline__ void copy_half_tile(operand_t* dst, const unsigned short* __restrict__ src, long long ld_src,
                                                int row0, int n_valid) {
-    constexpr int PIECES = ATTN_HEAD_DIM / 8;  // of 16 bytes, a row
-    static_assert(ROWS * PIECES % ATTN_THREADS == 0 && !ATTN_WGMMA, "whole passes over row-major tiles");
-#pragma unroll
-    for (int i = threadIdx.x; i < ROWS * PIECES; i += ATTN_THREADS) {
-        const int row = i / PIECES, col = i % PIECES * 8;
+    for_each_half_piece<ROWS>([&](int row, int col) {
         const bool valid = row0 + row < n_valid;
         const unsigned short* from = valid ? src + (long long)(row0 + row) * ld_src + col : src;  // 0 bytes read if not
-        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + row * LD_HD + col));
+        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + operand_offset(row, col, LD_HD)));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
                      : "memory");
-    }
+    });
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// The largest finite |x| of the pieces of tile (copy_half_tile's) that this thread copied, read
+// back after its cp_async_wait_all(), which makes its own copies visible to it: no barrier. On
+// the bits: a non-negative fp16 orders like its bits, and from 0x7c00 on it is Inf or NaN.
+template <int ROWS>
+__device__ __forceinline__ float copied_half_amax(const operand_t* tile) {
+    unsigned m = 0;
+    for_each_half_piece<ROWS>([&](int row, int col) {
+        const uint4 piece = *reinterpret_cast<const uint4*>(tile + operand_offset(row, col, LD_HD));
+        for (unsigned word : {piece.x, piece.y, piece.z, piece.w})
+            for (unsigned bits : {word & 0x7fffu, word >> 16 & 0x7fffu})
+                if (bits < 0x7c00u) m = max(m, bits);
+    });
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(static_cast<unsigned short>(m)));
+    return x;
 }
 #endif
 

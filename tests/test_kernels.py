@@ -42,6 +42,11 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_BLOCK_KV": 64},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_HEAD_DIM": 128},
+                                     {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_KEYS": 80},
+                                     {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_KEYS": 80,
+                                      "ATTN_BLOCK_Q": 128, "ATTN_RESIDENT_MIN_BLOCKS": 1},
+                                     {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_KEYS": 96,
+                                      "ATTN_KEY_SPLIT": 2, "ATTN_RESIDENT_MIN_BLOCKS": 1},
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1}, {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_KEYS": 80},
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_HEAD_DIM": 128}])
 def test_attention_kernel_variants_compile(defines, arch):
@@ -53,7 +58,7 @@ def test_attention_kernel_variants_compile(defines, arch):
 
 
 @pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 48, "ATTN_O_TRANSPOSED": 1},
-                                     {"ATTN_KEYS": 80, "ATTN_O_HALF": 1}])
+                                     {"ATTN_KEYS": 80, "ATTN_O_HALF": 1}, {"ATTN_KEYS": 80, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1}])
 def test_wgmma_attention_compiles_for_sm_90a(defines):
     # ATTN_WGMMA: the resident kernel's products as warpgroup MMAs, which only sm_90a has.
     defines = dict(defines, ATTN_HALF=1, ATTN_WGMMA=1, ATTN_RESIDENT_MIN_BLOCKS=2)
@@ -306,10 +311,12 @@ def test_every_kernel_waits_for_its_inputs_first():
     assert {name: statement for name, statement in first.items() if statement != "wait_for_inputs()"} == {}
 
 
-# Builds that together hold every kernel: the streamed attention (fp32 operands; fp16 with an fp16 O),
-# the resident one, the forward, the conversions, the transposes.
+# Builds that together hold every kernel: the streamed attention (fp32 operands; fp16 with an fp16 O,
+# and with an fp16 K0|V0), the resident one (the same two), the forward, the conversions, the transposes.
 _PTX_BUILDS = [("attention_bwd.cu", {}), ("attention_bwd.cu", {"ATTN_HALF": 1, "ATTN_O_HALF": 1}),
+               ("attention_bwd.cu", {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1}),
                ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1}),
+               ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1}),
                ("attention_fwd.cu", {}), ("half_scaling.cu", {}), ("transpose.cu", {})]
 _GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)(?!\.param|\.shared|\.local|\.const)\S*",
                             re.MULTILINE)
@@ -326,5 +333,6 @@ def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access(arc
         for entry in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
             body = ptx[entry.end():ptx.index("\n}", entry.end())]
             wait, access = body.find("griddepcontrol.wait"), _GLOBAL_ACCESS.search(body)
-            seen[entry.group(1)] = (0 <= wait < access.start()) if waits else wait == -1
+            ok = (0 <= wait < access.start()) if waits else wait == -1
+            seen[entry.group(1)] = seen.get(entry.group(1), True) and ok  # in every build
     assert set(seen) == kernels.kernel_names() and all(seen.values()), seen

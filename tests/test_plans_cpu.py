@@ -855,27 +855,31 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
-@pytest.mark.parametrize("shape, streamed", [((2, 70, 20), False), ((2, 70, 80), False), ((2, 70, 81), True),
-                                             ((4, 64, 200), True)])
-def test_the_fp16_modes_streamed_attention_gets_k0_v0_in_fp16(gpu, monkeypatch, precision, shape, streamed):
-    # Only there: [K0 | V0]'s GEMM writes fp16 at the constant alpha kv_half_alpha(D) (every sum
-    # of D products of copies under 2^15 lands under 2^14), and the attention is built to read it.
+@pytest.mark.parametrize("shape, hidden, half_in_fp16", [
+    ((2, 70, 81), 256, True), ((4, 64, 200), 256, True), ((1, 512, 80), 1024, True),  # streamed; resident key split
+    ((64, 128, 77), 1024, True), ((4, 512, 77), 1024, True),  # resident, 2 query tiles a block
+    ((8, 512, 77), 1024, False), ((2, 4096, 77), 1024, False)])  # 4 and 8 query tiles a block
+def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monkeypatch, precision, shape, hidden,
+                                                                       half_in_fp16):
+    # There: [K0 | V0]'s GEMM writes fp16 at the constant alpha kv_half_alpha(D) (every sum of D
+    # products of copies under 2^15 lands under 2^14), and the attention is built to read it.
     from cupy_xattn import attention_bwd, backward
     from cupy_xattn.checks import Problem
     from cupy_xattn.gemm import R_16F, R_32F
     calls = _recording_cublas(monkeypatch)
-    program = backward.Backward(Problem(*shape, 256, 4, 64, 0.125), precision, gpu.null, 132)
+    program = backward.Backward(Problem(*shape, hidden, hidden // 64, 64, 0.125), precision, gpu.null, 132)
     program.run()
-    half = precision == "fp16" and streamed
-    assert program._kv0.dtype == (numpy.float16 if half else numpy.float32) and program._kv0.shape == (shape[0] * shape[2], 512)
+    half = precision == "fp16" and half_in_fp16
+    assert program._kv0.dtype == (numpy.float16 if half else numpy.float32)
+    assert program._kv0.shape == (shape[0] * shape[2], 2 * hidden)
     kv0 = [args for args in calls if _table_entries(program, args[13], 1)[0] == program._kv0.data.ptr]
     assert len(kv0) == (3 if precision == "fp32" else 1)  # fp32: three fp16 products
     assert {args[14] for args in kv0} == {R_16F if half else R_32F}
-    assert _table_entries(program, kv0[0][13], 2)[1] == program._kv0.data.ptr + program._kv0.itemsize * 256  # V0
+    assert _table_entries(program, kv0[0][13], 2)[1] == program._kv0.data.ptr + program._kv0.itemsize * hidden  # V0
     constant = program._constants.data.ptr + 8
     assert all((args[5] == constant) == half for args in kv0)
     assert program._attention._main.defines["ATTN_KV_HALF"] == int(half)
-    if half:  # shared memory for two fp16 key/value tiles, not the fp32 staging
+    if half and shape[2] > 80:  # shared memory for two fp16 key/value tiles, not the fp32 staging
         assert program._attention._smem_bytes == attention_bwd.kernel_choice(shape[2], precision, kv_half=True)[3]
 
 
@@ -887,12 +891,12 @@ def test_the_fp16_k0_v0_alpha_keeps_every_sum_of_copies_under_2_to_the_14(hidden
 
 
 @pytest.mark.parametrize("shape, precision, o_half", [((2, 70, 81), "tf32", False), ((2, 70, 81), "fp32", True),
-                                                      ((2, 70, 81), "fp16", False), ((2, 70, 80), "fp16", True)])
-def test_an_fp16_k0_v0_is_only_for_the_fp16_modes_streamed_kernel(shape, precision, o_half):
+                                                      ((2, 70, 81), "fp16", False), ((2, 4096, 77), "fp16", True)])
+def test_an_fp16_k0_v0_is_only_where_half_kv_says(shape, precision, o_half):
     from cupy_xattn.attention_bwd import AttentionBackward
     from cupy_xattn.checks import Problem
     with pytest.raises(ValueError, match="fp16 \\[K0"):
-        AttentionBackward(Problem(*shape, 256, 4, 64, 0.125), precision, 132, o_half=o_half, kv_half=True)
+        AttentionBackward(Problem(*shape, 1024, 16, 64, 0.125), precision, 132, o_half=o_half, kv_half=True)
 
 
 @pytest.mark.parametrize("block_kv_text, head_dim", [(100, 64), (300, 64), (300, 128)])
