@@ -41,6 +41,8 @@ def kv_half_alpha(hidden_size):
     [Wk; Wv], each element at most 2^15 in magnitude (half_scaling.cu): 2^-(16 + ⌈log2 D⌉) puts
     each of its sums of D products under 2^14, whatever the inputs (attention_bwd.cu's kv_half_scale)."""
     return 2.0 ** -(16 + (hidden_size - 1).bit_length())
+
+
 #: the scalars an fp16 O needs (AttentionBackward's o_scales): read, then written
 O_SCALES = ("inv_t", "inv_w", "inv_bv", "inv_dy", "inv_o", "alpha_o")
 
@@ -71,8 +73,8 @@ def operand_bytes(precision):
 def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False, kv_half=False):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT, and whether it
-    runs on wgmma: its tiles are then unpadded core matrices; and whether the streamed kernel
-    reads an fp16 [K0 | V0], ATTN_KV_HALF).
+    runs on wgmma: its tiles are then unpadded core matrices; and whether the kernel reads an fp16
+    [K0 | V0], ATTN_KV_HALF: the resident kernel's shared memory is the same).
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
     the P and dS tiles (one tile with fp32 operands: dS overwrites P); with fp16 operands, the
@@ -112,7 +114,7 @@ def half_kv(problem, precision, sm_count):
     """Whether [K0 | V0] reaches the attention as fp16 (ATTN_KV_HALF), its tiles copied by cp.async as
     they are: in the fp16 mode, by the streamed kernel, and by the resident one where its blocks take
     at most KV_HALF_RESIDENT_TILES query tiles. Measured on the H200 (perf-notes v47, v48): streamed
-    8x256x373 −34 µs; resident, two tiles a block or fewer −0.5 to −4 µs a case, four or eight +1.5 to
+    8x256x373 −31 to −35 µs; resident, two tiles a block or fewer −0.5 to −4 µs a case, four or eight +1.5 to
     +2.4 (the kernel ~5 % slower there: a cost per tile, not found, against a saving per block)."""
     if precision != "fp16":
         return False
@@ -220,7 +222,7 @@ class AttentionBackward:
             raise ValueError("an fp16 [K0 | V0] goes where half_kv says (the fp16 mode), with o_half (its scale "
                              "comes from o_scales)")
         cupy = import_cupy()
-        self.o_half = o_half
+        self.o_half, self.kv_half = o_half, kv_half
         self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
         self.problem = problem
         layout = launch_layout(problem, precision, sm_count)
@@ -288,6 +290,8 @@ class AttentionBackward:
             (O · s_O − fp16(O · s_O)) · 2^11, go (attention_bwd.cu's O_LO_SCALE says why).
         """
         p = self.problem
+        if (kv0.dtype == numpy.float16) != self.kv_half:
+            raise ValueError(f"kv0 is float16 with kv_half, else float32: got {kv0.dtype} with kv_half={self.kv_half}")
         if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != len(O_SCALES)):
             raise ValueError(f"o_scales ({', '.join(O_SCALES)}) goes with o_half, and only with it")
         if (o_lo is None) == self._o_lo:

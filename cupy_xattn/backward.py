@@ -207,8 +207,8 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        # fp16, streamed attention: [K0 | V0] in fp16 from its GEMM (at alpha kv_half_alpha), whose
-        # tiles the attention copies as they are
+        # fp16 mode, where half_kv says: [K0 | V0] in fp16 from its GEMM (at alpha kv_half_alpha),
+        # whose tiles the attention copies as they are
         kv_half = half_kv(problem, precision, sm_count)
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
                                             o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision),

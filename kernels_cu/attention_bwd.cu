@@ -47,8 +47,9 @@
 // not added to the tiles: bk shifts each row of S by a constant (Q·bk), which the softmax takes out,
 // and adds rowsum(dS)·bk = 0 to dQ; bv shifts each row of dP by a constant (dO·bv), which D takes
 // out of dS, and O by bv, added to O before it is stored. s_KV comes from a bound, loose by ~2^11
-// on the benchmark's inputs, so dS's scale comes from an observed maximum instead of the bound
-// through max|V|: of |dP| (streamed, ds_observed_scale) or of |V| (resident, v_bound_scale).
+// on the benchmark's inputs, so dS's scale does not come through s_KV: the streamed kernel takes it
+// from pass 1's max|dP| (ds_observed_scale), the resident one from its bound with the block's
+// observed max|V| (v_bound_scale).
 #ifndef ATTN_KV_HALF
 #define ATTN_KV_HALF 0
 #endif
@@ -355,8 +356,9 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 // s_KV, the scale of the fp16 [K0 | V0] (ATTN_KV_HALF): its GEMM multiplies the copies of T and
 // [Wk; Wv], each element under 2^15 in magnitude (half_scaling.cu's window), so each sum is under
 // hidden · 2^30 and the GEMM's alpha, 2^-(16 + ⌈log2 hidden⌉) (backward.py), puts it under 2^14:
-// s_KV = s_T · s_W · alpha. Exponent arithmetic, clamped to fp32's normal range: it leaves that
-// only where max|T| · max|Wk, Wv| is under ~2^-100 or over ~2^150 (README: the fp16 mode's limits).
+// s_KV = s_T · s_W · alpha. Exponent arithmetic, clamped to fp32's normal range, which it leaves
+// (and K0, V0 are then misread) only where max|T| · max|Wk, Wv| is under ~2^-(116 + ⌈log2 hidden⌉)
+// or over ~2^(136 − ⌈log2 hidden⌉), 2^∓126 at hidden 1024 (README: the fp16 mode's limits).
 __device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w) {
     const int log2_hidden = 32 - __clz(hidden - 1);
     return pow2(min(max(-exponent_of(*inv_t) - exponent_of(*inv_w) - 16 - log2_hidden, -126), 126));
@@ -410,8 +412,8 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     operand_t* p_s = v_tiles + KV_BUFFERS * KV_TILE;         // [ATTN_BLOCK_Q][LD_KV]: P
     operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_KV : p_s;  // [ATTN_BLOCK_Q][LD_KV]: dS (see store_ds)
     operand_t *k_s = k_tiles, *v_s = v_tiles;  // the key/value tile in use (ATTN_KV_HALF: one of two buffers)
-    __shared__ float red[4][ATTN_THREADS / 32];  // block maxima for the operand scales of Q, dO, K, V
-    __shared__ float bv_s[ATTN_KV_HALF ? ATTN_HEAD_DIM : 1];  // ATTN_KV_HALF: bv (stage_value_bias)
+    __shared__ float red[4][ATTN_THREADS / 32];  // block maxima: Q, dO, K, V (ATTN_KV_HALF: red[2] max|dP|)
+    __shared__ __align__(8) float bv_s[ATTN_KV_HALF ? ATTN_HEAD_DIM : 1];  // ATTN_KV_HALF: bv (stage_value_bias)
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
@@ -665,8 +667,8 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     operand_t* do_s = q_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_HD]
     operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P
     operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_P : p_s;  // [ATTN_BLOCK_Q][LD_P]: dS (see store_ds)
-    __shared__ float red[4][ATTN_THREADS / 32];  // block maxima for the operand scales of K, V, Q, dO
-    __shared__ float bv_s[ATTN_KV_HALF ? ATTN_HEAD_DIM : 1];  // ATTN_KV_HALF: bv (stage_value_bias)
+    __shared__ float red[4][ATTN_THREADS / 32];  // block maxima: K, V, Q, dO (ATTN_KV_HALF: red[1] max|V|)
+    __shared__ __align__(8) float bv_s[ATTN_KV_HALF ? ATTN_HEAD_DIM : 1];  // ATTN_KV_HALF: bv (stage_value_bias)
     __shared__ float2 part_row[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];  // each key part's row max and sum
     __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 

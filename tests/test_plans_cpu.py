@@ -883,6 +883,18 @@ def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monk
         assert program._attention._smem_bytes == attention_bwd.kernel_choice(shape[2], precision, kv_half=True)[3]
 
 
+@pytest.mark.parametrize("kv_half", [False, True])
+def test_the_attention_refuses_a_k0_v0_of_the_other_dtype(gpu, kv_half):
+    from cupy_xattn.attention_bwd import AttentionBackward
+    from cupy_xattn.checks import Problem
+    attention = AttentionBackward(Problem(2, 70, 81, 256, 4, 64, 0.125), "fp16", 132, o_half=True, kv_half=kv_half)
+    f32 = lambda *shape: FakeArray(shape)  # noqa: E731
+    kv0 = FakeArray((162, 512), numpy.float32 if kv_half else numpy.float16)
+    with pytest.raises(ValueError, match="kv0 is float16 with kv_half"):
+        attention(f32(140, 256), kv0, 0, f32(140, 256), FakeArray((140, 256), numpy.float16), f32(140, 256),
+                  f32(162, 512), o_scales=(0,) * 6)
+
+
 @pytest.mark.parametrize("hidden", [1, 2, 64, 1000, 1024, 1025, 5120])
 def test_the_fp16_k0_v0_alpha_keeps_every_sum_of_copies_under_2_to_the_14(hidden):
     from cupy_xattn.attention_bwd import kv_half_alpha
