@@ -40,6 +40,9 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         o = o.astype(numpy.float16)
         inv_w = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(kv0[:, hidden:]).max() / hidden)) - 14)
         inv_bv = 2.0 ** (numpy.ceil(numpy.log2(numpy.abs(bv).max())) - 15)
+        if kv_half:  # inv_w as loose as the backward's: [K0 | V0] · s_KV peaks near 2^3, ~2^11 under its bound
+            inv_w = attention_bwd.kv_half_alpha(hidden) / (2.0 ** (3 - numpy.ceil(numpy.log2(numpy.abs(kv0).max())))
+                                                           * 2.0 ** -15)
         # inv_t, inv_w, inv_bv, inv_dy; inv_o and alpha_o written by the kernel (fp32: two alphas)
         half_scales = cupy.array([2.0 ** -15, inv_w, inv_bv, 2.0 ** -3] + [numpy.nan] * 3, numpy.float32)
         o_scales = tuple(half_scales.data.ptr + 4 * i for i in range(6))
@@ -58,7 +61,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         s_kv = attention_bwd.kv_half_alpha(hidden) / (2.0 ** -15 * inv_w)
         kv0_in = cupy.asarray(kv0 * s_kv).astype(numpy.float16)
         kv0 = (cupy.asnumpy(kv0_in).astype(numpy.float64) / s_kv).astype(numpy.float32)
-        assert numpy.abs(kv0).max() * s_kv < 2.0 ** 15
+        assert 2.0 ** 2 < numpy.abs(kv0).max() * s_kv <= 2.0 ** 3
     kernel(cupy.asarray(q0), kv0_in, bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
            o_scales=o_scales, o_lo=None if o_lo is None else o_lo.data.ptr)
 
