@@ -136,3 +136,12 @@ def test_split_attention_probe_reference_is_the_attention_backward(monkeypatch):
             for got, want in ((o[rows, cols], P @ V), (dq[rows, cols], scale * dS @ K),
                               (dkv[keys, cols], scale * dS.T @ Q), (dkv[keys, v_cols], P.T @ dO)):
                 numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_kv_half_range_model_loses_bits_only_far_below_the_largest_sample():
+    # README's claim for the fp16 mode's one [K0 | V0] scale: fp16-level errors (~5e-4) for a
+    # sample 2^12 below the largest, ~2e-2 at 2^20 (K0 and V0 fp16 subnormals).
+    model = _script("kv_half_range")
+    (_, near), (_, far) = model.errors(12, n_video=16), model.errors(20, n_video=16)
+    assert max(near) < 1e-3 < 5e-3 < max(far)
+
