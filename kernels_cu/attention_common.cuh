@@ -467,6 +467,9 @@ struct TileIn {
     }
 };
 
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Start copying rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns, as they are (fp32), into
 // stage ([ROWS][ATTN_HEAD_DIM]) with cp.async, rows at or past n_valid as zeros; one commit group.
 // They are there after cp_async_wait_all() and a barrier; TileIn::load reads them from there.
@@ -483,10 +486,8 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
                      : "memory");
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    cp_async_commit();
 }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 #if ATTN_HALF
 // each(row, col) for the 16-byte pieces (8 fp16 operands of a row) of a [ROWS][ATTN_HEAD_DIM] tile
@@ -514,8 +515,6 @@ __device__ __forceinline__ void copy_half_tile(operand_t* dst, const unsigned sh
                      : "memory");
     });
 }
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // The largest finite |x| of the pieces of tile (copy_half_tile's) that this thread copied, read
 // back after its cp_async_wait_all(), which makes its own copies visible to it: no barrier. On
