@@ -196,21 +196,15 @@ __device__ __forceinline__ void score_grads(float dp[NT][4], const float p[NT][4
 // ds_bound_scale's bound through max|V| would be as loose as s_KV's (~2^11 on the benchmark's
 // inputs, more where padded text rows raise max|T|), pushing dS's elements into fp16's subnormals.
 __device__ __forceinline__ float ds_observed_scale(const float* red, float scale) {
-    float m = red[0];
-#pragma unroll
-    for (int w = 1; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-    return pow2_scale(2.f * scale * m);
+    return pow2_scale(2.f * scale * block_max(red));
 }
 
 // The resident kernel's s_v for ds_bound_scale in the ATTN_KV_HALF build: s_KV times the scale
-// that would put the block's largest |V · s_KV| (red, published before a barrier) in [2^13, 2^14),
-// so max|V| < 2^14 / that, the bound's premise, as tight as with per-block scales; exponent
-// arithmetic, clamped to fp32's normal range (V all zero: any scale serves, dP is 0).
+// that would put the block's largest |V · s_KV| (red, published before a barrier) in [2^13, 2^14)
+// (read_scale), so max|V| < 2^14 / that, the bound's premise, as tight as with per-block scales;
+// exponent arithmetic, clamped to fp32's normal range (V all zero: any scale serves, dP is 0).
 __device__ __forceinline__ float v_bound_scale(const float* red, float s_kv) {
-    float m = red[0];
-#pragma unroll
-    for (int w = 1; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-    return pow2(min(max(exponent_of(s_kv) + exponent_of(pow2_scale(m)), -126), 126));
+    return pow2(min(max(exponent_of(s_kv) + exponent_of(read_scale(red)), -126), 126));
 }
 
 // ATTN_KV_HALF: the head's bv into shared memory (bv_s, ATTN_HEAD_DIM floats) once a block, for

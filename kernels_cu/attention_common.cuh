@@ -209,12 +209,16 @@ __device__ __forceinline__ void publish_max(float* red, float m) {
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
 #endif
 }
-__device__ __forceinline__ float read_scale(const float* red) {
-#if ATTN_HALF
+// The largest of the values the block's warps published in red (after the barrier).
+__device__ __forceinline__ float block_max(const float* red) {
     float m = red[0];
 #pragma unroll
     for (int w = 1; w < ATTN_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-    return pow2_scale(m);
+    return m;
+}
+__device__ __forceinline__ float read_scale(const float* red) {
+#if ATTN_HALF
+    return pow2_scale(block_max(red));
 #else
     return 1.f;
 #endif
