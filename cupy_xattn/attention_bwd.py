@@ -115,11 +115,13 @@ def half_kv(problem, precision, sm_count):
     they are: in the fp16 mode, by the streamed kernel, and by the resident one where its blocks take
     at most KV_HALF_RESIDENT_TILES query tiles. Measured on the H200 (perf-notes v47, v48): streamed
     8x256x373 −31 to −35 µs; resident, two tiles a block or fewer −0.5 to −4 µs a case, four or eight +1.5 to
-    +2.4 (the kernel ~5 % slower there: a cost per tile, not found, against a saving per block)."""
-    if precision != "fp16":
+    +2.4 (the kernel ~5 % slower there: a cost per tile, not found, against a saving per block).
+    In the tf32 mode, by the streamed kernel, through a conversion of its fp32 [K0 | V0] (its TF32
+    GEMM cannot write fp16)."""
+    if precision not in ("fp16", "tf32"):
         return False
     _, keys, _, _, _, _, tiles_per_chunk, _ = launch_layout(problem, precision, sm_count)
-    return keys == 0 or tiles_per_chunk <= KV_HALF_RESIDENT_TILES
+    return keys == 0 or (precision == "fp16" and tiles_per_chunk <= KV_HALF_RESIDENT_TILES)
 
 
 def o_t_stride(rows):
@@ -200,8 +202,9 @@ class AttentionBackward:
         ``o_scales`` (fp32: and ``o_lo``).
     reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
         :attr:`partials` (the fp16 and fp32 modes' conversion does, reading them once).
-    kv_half : ``kv0`` is float16, [K0 | V0] · s_KV with s_KV = s_T · s_W · kv_half_alpha(D), where
-        1 / s_T and 1 / s_W are ``o_scales``' inv_t and inv_w (ATTN_KV_HALF; where half_kv says).
+    kv_half : ``kv0`` is float16, [K0 | V0] · s_KV (ATTN_KV_HALF; where half_kv says), with s_KV =
+        s_T · s_W · kv_half_alpha(D), where 1 / s_T and 1 / s_W are ``o_scales``' inv_t and inv_w
+        (fp16 mode), or 1 / ``kv_scale`` (tf32 mode: a power of two, from a conversion).
     """
 
     @staticmethod
@@ -218,9 +221,9 @@ class AttentionBackward:
         if o_half and (o_transposed or precision not in ("fp16", "fp32")):
             raise ValueError(f"an fp16 O is written row-major in the fp16 and fp32 modes, not with "
                              f"o_transposed={o_transposed}, precision={precision!r}")
-        if kv_half and not (o_half and half_kv(problem, precision, sm_count)):
-            raise ValueError("an fp16 [K0 | V0] goes where half_kv says (the fp16 mode), with o_half (its scale "
-                             "comes from o_scales)")
+        if kv_half and not (half_kv(problem, precision, sm_count) and o_half == (precision == "fp16")):
+            raise ValueError("an fp16 [K0 | V0] goes where half_kv says (fp16 mode with o_half, whose o_scales "
+                             "give its scale; tf32 mode)")
         cupy = import_cupy()
         self.o_half, self.kv_half = o_half, kv_half
         self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
@@ -262,7 +265,8 @@ class AttentionBackward:
         ``dkv`` with reduce_dkv; None with one chunk (the kernel writes ``dkv`` itself)."""
         return self._dkv_part
 
-    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None, o_lo=None):
+    def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None, o_lo=None,
+                 kv_scale=None):
         """Launch on the current stream.
 
         Parameters
@@ -288,10 +292,14 @@ class AttentionBackward:
         o_lo : with o_half in the fp32 mode (and only then), the device address of a float16 array
             like ``o`` (at a multiple of 8 bytes from it, not overlapping it) where O's remainders,
             (O · s_O − fp16(O · s_O)) · 2^11, go (attention_bwd.cu's O_LO_SCALE says why).
+        kv_scale : with kv_half in the tf32 mode (and only then), the device address of 1 / s_KV
+            (float32, a power of two: the conversion's inverse scale, half_scaling.py).
         """
         p = self.problem
         if (kv0.dtype == numpy.float16) != self.kv_half:
             raise ValueError(f"kv0 is float16 with kv_half, else float32: got {kv0.dtype} with kv_half={self.kv_half}")
+        if (kv_scale is None) == (self.kv_half and not self.o_half):
+            raise ValueError("kv_scale (1 / s_KV) goes with kv_half in the tf32 mode, and only with it")
         if (o_scales is None) == self.o_half or (o_scales is not None and len(o_scales) != len(O_SCALES)):
             raise ValueError(f"o_scales ({', '.join(O_SCALES)}) goes with o_half, and only with it")
         if (o_lo is None) == self._o_lo:
@@ -310,7 +318,8 @@ class AttentionBackward:
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
-            + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES))) + (numpy.int64(lo_offset // 2),),
+            + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES)))
+            + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0)),
             shared_mem=self._smem_bytes)
         if self._dkv_part is not None and self._reduce is not None:
             self._reduce(self._reduce_grid, (_REDUCE_THREADS,),

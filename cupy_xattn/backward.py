@@ -214,7 +214,9 @@ class Backward:
                                             o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision),
                                             kv_half=kv_half)
         self._q0, self._dout = f32(mv, d), f32(mv, d)
-        self._kv0 = cupy.empty((mt, 2 * d), numpy.float16) if kv_half else f32(mt, 2 * d)
+        self._kv0 = cupy.empty((mt, 2 * d), numpy.float16) if kv_half and precision == "fp16" else f32(mt, 2 * d)
+        # tf32: [K0 | V0]'s fp16 copy, converted at the scale of its own max (the TF32 GEMM writes fp32)
+        self._kv0_half = cupy.empty((mt, 2 * d), numpy.float16) if kv_half and precision == "tf32" else None
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         # [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
@@ -253,7 +255,9 @@ class Backward:
         fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d))
                     + math.prod(_dkv_shape(precision, n_chunks, mt, d))
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [dK|dV]; ones
-        fp32 += (2 if half_kv(problem, precision, sm_count) else 4) * mt * 2 * d  # [K0|V0]
+        kv_half = half_kv(problem, precision, sm_count)
+        fp32 += (2 if kv_half and precision == "fp16" else 4) * mt * 2 * d  # [K0|V0]
+        fp32 += 2 * mt * 2 * d if kv_half and precision == "tf32" else 0  # tf32: and its fp16 copy
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if _half_mode(precision):  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
@@ -423,6 +427,11 @@ class Backward:
              m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
         step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
                                                 addr(self._wqkv_t), d, d), 1)  # dX and dT read them
+        if self._kv0_half is not None:  # the streamed attention's fp16 [K0 | V0] (attention_bwd.half_kv)
+            self._kv_scaler = HalfScaler(1, self._sm_count)
+            copy, rescale = self._kv_scaler.group(at(addr(self._kv0)), [(mt * 2 * d, addr(self._kv0_half), 0, 0, 0, 0)])
+            step("[K0 | V0] to fp16", copy, 1)
+            step("fp16 rescale [K0 | V0]", rescale, 1)
         self._join()
         self._record_attention()
         # Beside the attention (issued after the join, so it does not wait for them); only their own
@@ -473,8 +482,11 @@ class Backward:
         self: an evicted plan is freed at once (no reference cycle waiting for the garbage collector)."""
         biases = self._table.address(self._table.add("query_bias", "key_bias", "value_bias"))
         o, o_scales, o_lo = self._o_half or (self._o, None, None)
-        attention, buffers = self._attention, (self._q0, self._kv0, biases, self._dout, o, self._dq, self._dkv,
-                                               self._text_lengths, o_scales, o_lo)
+        kv0, kv_scale = self._kv0, None
+        if self._kv0_half is not None:
+            kv0, kv_scale = self._kv0_half, self._kv_scaler.inverse_scale(0)
+        attention, buffers = self._attention, (self._q0, kv0, biases, self._dout, o, self._dq, self._dkv,
+                                               self._text_lengths, o_scales, o_lo, kv_scale)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
 
     def _record_column_sums(self, sources, outputs, rows, ld, lane):

@@ -41,8 +41,9 @@
 #ifndef ATTN_O_HALF
 #define ATTN_O_HALF 0
 #endif
-// ATTN_KV_HALF (the fp16 mode): kv0 is fp16, [K0 | V0] · s_KV as its GEMM wrote it, one power-of-two
-// scale for the whole tensor (kv_half_scale); key/value tiles are copied into the operand tiles as
+// ATTN_KV_HALF (the fp16 mode; the tf32 mode's streamed kernel): kv0 is fp16, [K0 | V0] · s_KV as
+// its GEMM wrote it (tf32: as a conversion wrote it), one power-of-two scale for the whole tensor
+// (kv_half_scale); key/value tiles are copied into the operand tiles as
 // they are by cp.async (the streamed kernel: the next while the present one is used). bk and bv are
 // not added to the tiles: bk shifts each row of S by a constant (Q·bk), which the softmax takes out,
 // and adds rowsum(dS)·bk = 0 to dQ; bv shifts each row of dP by a constant (dO·bv), which D takes
@@ -72,8 +73,7 @@ static_assert(!ATTN_WGMMA || ATTN_KEYS > 0, "wgmma: the resident kernel only");
 
 static_assert(!ATTN_O_HALF || ((ATTN_HALF || ATTN_SPLIT3) && !ATTN_O_TRANSPOSED),
               "fp16 O: row-major, from the fp16-operand or the 3xTF32 build");
-static_assert(!ATTN_KV_HALF || (ATTN_HALF && ATTN_O_HALF),
-              "fp16 K0 | V0: the fp16 mode's (its scale comes from O's scalars)");
+static_assert(!ATTN_KV_HALF || ATTN_HALF, "fp16 K0 | V0: the fp16-operand build's");
 #if ATTN_KV_HALF
 typedef unsigned short kv_t;  // fp16 bits
 #else
@@ -353,7 +353,10 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 // s_KV = s_T · s_W · alpha. Exponent arithmetic, clamped to fp32's normal range, which it leaves
 // (and K0, V0 are then misread) only where max|T| · max|Wk, Wv| is under ~2^-(116 + ⌈log2 hidden⌉)
 // or over ~2^(136 − ⌈log2 hidden⌉), 2^∓126 at hidden 1024 (README: the fp16 mode's limits).
-__device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w) {
+// The tf32 mode converts its fp32 [K0 | V0] instead (half_scaling.cu, at the scale of its own max) and
+// passes inv_kv, 1 / s_KV, a power of two (null in the fp16 mode).
+__device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w, const float* inv_kv) {
+    if (inv_kv) return pow2(-exponent_of(*inv_kv));
     const int log2_hidden = 32 - __clz(hidden - 1);
     return pow2(min(max(-exponent_of(*inv_t) - exponent_of(*inv_w) - 16 - log2_hidden, -126), 126));
 }
@@ -394,7 +397,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
          const float* __restrict__ inv_bv, const float* __restrict__ inv_dy, float* __restrict__ inv_o,
-         float* __restrict__ alpha_o, long long o_lo_offset) {
+         float* __restrict__ alpha_o, long long o_lo_offset, const float* __restrict__ inv_kv) {
     wait_for_inputs();
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
@@ -441,7 +444,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     // load_kv ahead, which waits for it, points k_s and v_s at it and starts copying the tile the
     // next call takes, next_kv0 (none if negative), into the other buffer: one barrier a tile, and
     // the copy overlaps a whole tile's products.
-    const float s_kv = kv_half_scale(hidden, inv_t, inv_w);
+    const float s_kv = kv_half_scale(hidden, inv_t, inv_w, inv_kv);
     int kv_buffer = 0;
     auto prefetch_kv = [&](int kv0) {
         copy_half_tile<ATTN_BLOCK_KV>(k_tiles + kv_buffer * KV_TILE, hs.k, ld_kv, kv0, n_keys);
@@ -648,7 +651,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
                   int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
                   const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
                   const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o,
-                  long long o_lo_offset) {
+                  long long o_lo_offset, const float* __restrict__ inv_kv) {
     wait_for_inputs();
     constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
@@ -687,7 +690,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     cp_async_wait_all();
     publish_max(red[1], copied_half_amax<NK>(v_s));
     stage_value_bias(bv_s, biases[2] + col);
-    const float s_k = kv_half_scale(hidden, inv_t, inv_w), s_v = s_k;
+    const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
 #else
     RunScale k_scale, v_scale;
     load_tiles<NK>(k_s, hs.k, biases[1] + col, red[0], k_scale, v_s, hs.v, biases[2] + col, red[1], v_scale, ld_kv, 0,

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = {"tf32": 5e-3, "fp16": 5e-3, "fp32": 2e-5}
 
 
-@pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("fp16", "half"),
+@pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("tf32", "rows, fp16 K0|V0"),
+                                                 ("tf32", "transposed, fp16 K0|V0"), ("fp16", "half"),
                                                  ("fp16", "half, fp16 K0|V0"), ("fp32", "rows"), ("fp32", "half")])
 @pytest.mark.parametrize("resident_rows, wgmma", [(64, True), (64, False), (128, False)])  # wgmma: sm_90 only
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
@@ -33,7 +34,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
 
     poison = lambda shape: cupy.full(shape, numpy.nan, numpy.float32)  # noqa: E731
     rows = batch_size * n_video
-    o_transposed, o_half, kv_half = o_layout == "transposed", o_layout.startswith("half"), "K0" in o_layout
+    o_transposed, o_half, kv_half = o_layout.startswith("transposed"), o_layout.startswith("half"), "K0" in o_layout
     o = poison((hidden, attention_bwd.o_t_stride(rows))) if o_transposed else poison(q0.shape)  # tf32's O^T
     o_scales, half_scales, o_lo = None, None, None
     if o_half:  # fp16 O at the scale of a bound on |V|: here 2 · (2 to 4 · max|V0| + 1 to 2 · max|bv|)
@@ -53,17 +54,22 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     if kv_half and not attention_bwd.half_kv(problem, precision, sm_count):
-        pytest.skip("the fp16 mode reads an fp32 K0|V0 here (half_kv)")
+        pytest.skip("an fp32 K0|V0 here (half_kv)")
     kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half,
                                              kv_half=kv_half)
-    kv0_in = cupy.asarray(kv0)
-    if kv_half:  # [K0 | V0] · s_KV in fp16, s_KV = alpha / (inv_t · inv_w); the reference takes the rounded values
-        s_kv = attention_bwd.kv_half_alpha(hidden) / (2.0 ** -15 * inv_w)
+    kv0_in, kv_scale = cupy.asarray(kv0), None
+    if kv_half:  # [K0 | V0] · s_KV in fp16; the reference takes the rounded values
+        if o_half:  # fp16 mode: s_KV = alpha / (inv_t · inv_w)
+            s_kv = attention_bwd.kv_half_alpha(hidden) / (2.0 ** -15 * inv_w)
+        else:  # tf32: 1 / s_KV given, as a conversion at the scale of the max (in [2^12, 2^15)) leaves it
+            s_kv = 2.0 ** (13 - numpy.floor(numpy.log2(numpy.abs(kv0).max())))
+            kv_scale = cupy.array([1 / s_kv], numpy.float32)
         kv0_in = cupy.asarray(kv0 * s_kv).astype(numpy.float16)
         kv0 = (cupy.asnumpy(kv0_in).astype(numpy.float64) / s_kv).astype(numpy.float32)
-        assert 2.0 ** 2 < numpy.abs(kv0).max() * s_kv <= 2.0 ** 3
+        assert 2.0 ** (2 if o_half else 13) <= numpy.abs(kv0).max() * s_kv <= 2.0 ** (3 if o_half else 14)
     kernel(cupy.asarray(q0), kv0_in, bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
-           o_scales=o_scales, o_lo=None if o_lo is None else o_lo.data.ptr)
+           o_scales=o_scales, o_lo=None if o_lo is None else o_lo.data.ptr,
+           kv_scale=None if kv_scale is None else kv_scale.data.ptr)
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q = f64(q0, n_video) + bq

@@ -42,6 +42,8 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_BLOCK_KV": 64},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_HEAD_DIM": 128},
+                                     {"ATTN_HALF": 1, "ATTN_KV_HALF": 1}, {"ATTN_HALF": 1, "ATTN_KV_HALF": 1,
+                                                                           "ATTN_O_TRANSPOSED": 1, "ATTN_BLOCK_KV": 64},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_KEYS": 80},
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_KEYS": 80,
                                       "ATTN_BLOCK_Q": 128, "ATTN_RESIDENT_MIN_BLOCKS": 1},

@@ -798,8 +798,9 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     # copy's remainder goes), dWo reads it; the inverse scales of T, [Wk; Wv], bv, dY and O are the
     # scaler's (O's written by the attention, with dWo's alpha).
     from cupy_xattn.backward import _BV, _DY, _O, _T, _WKV
-    (o_arg, *scale_args, lo_offset), = [e[3][4:5] + e[3][-7:] for e in entries
-                                        if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    (o_arg, *scale_args, lo_offset, kv_scale), = [e[3][4:5] + e[3][-8:] for e in entries
+                                                  if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    assert int(kv_scale) == 0  # the half modes' K0|V0 scale comes from T's and [Wk; Wv]'s
     halves = stage_b[n:2 * n]  # the copies' destinations
     o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
     assert int(o_arg) == o_copy
@@ -878,8 +879,13 @@ def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monk
     assert _table_entries(program, kv0[0][13], 2)[1] == program._kv0.data.ptr + program._kv0.itemsize * hidden  # V0
     constant = program._constants.data.ptr + 8
     assert all((args[5] == constant) == half for args in kv0)
-    assert program._attention._main.defines["ATTN_KV_HALF"] == int(half)
-    if half and shape[2] > 80:  # shared memory for two fp16 key/value tiles, not the fp32 staging
+    # tf32: the streamed kernel reads an fp16 copy that a conversion makes of the fp32 [K0 | V0]
+    converted = precision == "tf32" and shape[2] > 80
+    assert (program._kv0_half is not None) == converted
+    assert program._attention._main.defines["ATTN_KV_HALF"] == int(half or converted)
+    labels = [label for label, _, lane in program._steps if "[K0 | V0]" in label and lane == 1]
+    assert labels == (["[K0 | V0] to fp16", "fp16 rescale [K0 | V0]"] if converted else [])
+    if (half or converted) and shape[2] > 80:  # shared memory for two fp16 key/value tiles, not the fp32 staging
         assert program._attention._smem_bytes == attention_bwd.kernel_choice(shape[2], precision, kv_half=True)[3]
 
 
@@ -895,6 +901,21 @@ def test_the_attention_refuses_a_k0_v0_of_the_other_dtype(gpu, kv_half):
                   f32(162, 512), o_scales=(0,) * 6)
 
 
+@pytest.mark.parametrize("precision, kv_half, kv_scale", [("tf32", True, None), ("tf32", False, 64),
+                                                           ("fp16", True, 64)])
+def test_the_k0_v0_scale_address_goes_with_the_tf32_modes_fp16_k0_v0_only(gpu, precision, kv_half, kv_scale):
+    from cupy_xattn.attention_bwd import AttentionBackward
+    from cupy_xattn.checks import Problem
+    o_half = precision == "fp16"
+    attention = AttentionBackward(Problem(2, 70, 81, 256, 4, 64, 0.125), precision, 132, o_half=o_half, kv_half=kv_half)
+    f32 = lambda *shape: FakeArray(shape)  # noqa: E731
+    kv0 = FakeArray((162, 512), numpy.float16 if kv_half else numpy.float32)
+    o = FakeArray((140, 256), numpy.float16) if o_half else f32(140, 256)
+    with pytest.raises(ValueError, match="kv_scale"):
+        attention(f32(140, 256), kv0, 0, f32(140, 256), o, f32(140, 256), f32(162, 512),
+                  o_scales=(0,) * 6 if o_half else None, kv_scale=kv_scale)
+
+
 @pytest.mark.parametrize("hidden", [1, 2, 64, 1000, 1024, 1025, 5120])
 def test_the_fp16_k0_v0_alpha_keeps_every_sum_of_copies_under_2_to_the_14(hidden):
     from cupy_xattn.attention_bwd import kv_half_alpha
@@ -902,7 +923,7 @@ def test_the_fp16_k0_v0_alpha_keeps_every_sum_of_copies_under_2_to_the_14(hidden
     assert 2.0 ** 13 < worst <= 2.0 ** 14
 
 
-@pytest.mark.parametrize("shape, precision, o_half", [((2, 70, 81), "tf32", False), ((2, 70, 81), "fp32", True),
+@pytest.mark.parametrize("shape, precision, o_half", [((2, 70, 80), "tf32", False), ((2, 70, 81), "fp32", True),
                                                       ((2, 70, 81), "fp16", False), ((2, 4096, 77), "fp16", True)])
 def test_an_fp16_k0_v0_is_only_where_half_kv_says(shape, precision, o_half):
     from cupy_xattn.attention_bwd import AttentionBackward
