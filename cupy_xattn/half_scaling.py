@@ -9,13 +9,16 @@ from ._cupy import import_cupy
 
 SOURCE = "half_scaling.cu"
 _THREADS = 256
+_QUADS_PER_THREAD = 8  # float4s a thread of the copy takes at least: two rounds of HALF_UNROLL
 
 
 def _blocks(sizes, sum_cols, sm_count):
-    """Blocks of one group's copy: enough for its largest tensor, at most two per SM, rounded up
-    so that blocks · threads is a multiple of cols / 4 for each row length in ``sum_cols`` (the
-    tensors given column sums: see half_scaling.cu)."""
-    blocks = max(1, min(-(-max(sizes) // 4 // _THREADS), 2 * sm_count))
+    """Blocks of one group's copy: enough for its largest tensor at _QUADS_PER_THREAD float4s a
+    thread, at most two per SM, rounded up so that blocks · threads is a multiple of cols / 4 for
+    each row length in ``sum_cols`` (the tensors given column sums: see half_scaling.cu). On the
+    small cases a group's grid is its largest tensor's blocks times its tensors (eight before the
+    attention): at one float4 a thread, two waves of blocks where one serves (perf-notes v50)."""
+    blocks = max(1, min(-(-max(sizes) // 4 // (_THREADS * _QUADS_PER_THREAD)), 2 * sm_count))
     step = math.lcm(1, *(cols // 4 // math.gcd(cols // 4, _THREADS) for cols in sum_cols))
     return -(-blocks // step) * step
 

@@ -948,7 +948,7 @@ def test_every_ones_row_gemm_stays_within_the_ones_row(gpu, monkeypatch, precisi
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     calls = _recording_cublas(monkeypatch)
-    d = 1024 if shape[:2] in ((2, 64), (3, 33)) else 256  # D = 1024: the copy grids' 264 partial rows
+    d = 1024 if shape[:2] in ((2, 64), (3, 33)) else 256  # D = 1024: dY's 128 partial rows (> B·Nv = 99 at 3x33)
     program = backward.Backward(Problem(*shape, d, d // 64, 64, 0.125), precision, gpu.null, 132)
     program.run()
     sums = [args for args in calls if args[3] == 1]  # cuBLAS's n = 1: the ones row, K long
@@ -962,6 +962,15 @@ def test_column_sum_grids_keep_every_thread_on_its_columns():
         blocks = _blocks(sizes, sum_cols, 132)
         assert all(blocks * _THREADS % (cols // 4) == 0 for cols in sum_cols), (sum_cols, blocks)
         assert column_sum_rows(sizes, sum_cols, 132) == [4 * blocks * _THREADS // cols for cols in sum_cols]
+
+
+def test_copy_grids_give_each_thread_eight_float4s_up_to_two_blocks_per_sm():
+    from cupy_xattn.half_scaling import _blocks
+    assert _blocks([1024 * 1024, 1024], [], 132) == 128  # a weight: 2^18 float4s at 2^11 a block
+    assert _blocks([1024 * 8192, 1024 * 1024], [], 132) == 264
+    assert _blocks([1024 * 616], [1024], 132) == 77
+
+
 @pytest.mark.parametrize("mv, mt, expected", [(8192, 4928, (True, True)), (4096, 616, (True, True)),
                                                (2048, 308, (True, True)), (2048, 154, (True, False)),
                                                (1024, 1172, (True, True)), (512, 422, (False, False)),
