@@ -131,6 +131,36 @@ def test_fp16_mode_keeps_the_precision_of_a_sample_far_smaller_than_the_others()
         assert numpy.abs(x - y).max() / numpy.abs(y).max() <= EDGE_TOLERANCE["fp16"], name
 
 
+# tf32 at Nt = 77 (the resident kernel, K = K0 + bk rounded per tile): bk's rounding swamps Q·K0
+# (H200, 2026-12-01: that sample's dX off by 3.7e3, its dT by 10). Branch `bias-free-kv` leaves bk
+# and bv out of the tiles in every build (1e-3 there); strict, so its merge must drop this mark.
+_BK_ROUNDING = pytest.mark.xfail(strict=True, reason="bk rounded into K swamps Q·K0 (branch bias-free-kv)")
+
+
+@pytest.mark.parametrize("precision, n_video, n_text", [
+    ("fp16", 130, 77), ("fp16", 130, 93), pytest.param("tf32", 130, 77, marks=_BK_ROUNDING), ("tf32", 130, 93)],
+    ids=["fp16-resident", "fp16-streamed", "tf32-resident", "tf32-streamed"])
+def test_one_k0_v0_scale_keeps_a_sample_whose_text_is_far_below_the_others(precision, n_video, n_text):
+    # The fp16 [K0 | V0] (fp16 mode; tf32 at Nt > 80) has one scale for the whole tensor: a sample
+    # whose text embeddings are 2^-16 times the others' has its K0 and V0 near fp16's subnormals
+    # (fp16 mode: the scale comes from a bound ~2^11 above max|K0|). Its video latents and dY are
+    # 2^16 times the others', so that its scores, dS and dQ stay within 2^16 of sample 0's (every
+    # other fp16 copy holds both samples at one scale too). scripts/kv_half_range.py's model:
+    # ~1.2e-3 in the attention gradients; dX goes through dQ = dS K, dT through dK and dV.
+    case = cases.Case(2, n_video, n_text, atol=0.0)
+    inputs, _ = _case_data(case, 10)
+    inputs = {name: array.copy() for name, array in inputs.items()}
+    inputs["text_embeddings"][1] *= numpy.float32(2.0 ** -16)
+    inputs["video_latents"][1] *= numpy.float32(2.0 ** 16)
+    inputs["grad_output"][1] *= numpy.float32(2.0 ** 16)
+    ref = reference.backward(**inputs, num_heads=16)
+    got = cross_attention_backward(**_on_gpu(inputs), precision=precision)
+    for name in ("grad_video_latents", "grad_text_embeddings"):
+        for b in (0, 1):
+            x, y = _cupy().asnumpy(getattr(got, name)[b]), getattr(ref, name)[b]
+            assert numpy.abs(x - y).max() / numpy.abs(y).max() <= 5e-3, (name, b)
+
+
 # dWo's bounds: measured (H200, 2026-11-30) fp16 3.1e-4; fp32 1.3e-6 at e = 12 (6.1e-5 before O's
 # remainder had a scale of its own), 8.7e-6 at e = 20 (1.4e-4 at e = 24).
 @pytest.mark.parametrize("precision, exponent, dwo_bound, n_text", [("fp16", 12, 1e-3, 77), ("fp32", 12, 5e-6, 77),
