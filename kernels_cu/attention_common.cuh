@@ -473,6 +473,13 @@ struct TileIn {
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Start a cp.async of 16 bytes from global `from` to shared `to`; 16 zero bytes where !valid (none
+// read, but `from` must still be a valid address).
+__device__ __forceinline__ void cp_async_16(void* to, const void* from, bool valid) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from), "r"(valid ? 16 : 0)
+                 : "memory");
+}
 
 // Start copying rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns, as they are (fp32), into
 // stage ([ROWS][ATTN_HEAD_DIM]) with cp.async, rows at or past n_valid as zeros; one commit group.
@@ -486,9 +493,7 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
         const int row = T::row(j), col = T::col();
         const bool valid = row0 + row < n_valid;
         const float* from = valid ? src + (long long)(row0 + row) * ld_src + col : src;  // 0 bytes read if not valid
-        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(stage + row * ATTN_HEAD_DIM + col));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
-                     : "memory");
+        cp_async_16(stage + row * ATTN_HEAD_DIM + col, from, valid);
     }
     cp_async_commit();
 }
@@ -514,9 +519,7 @@ __device__ __forceinline__ void copy_half_tile(operand_t* dst, const unsigned sh
     for_each_half_piece<ROWS>([&](int row, int col) {
         const bool valid = row0 + row < n_valid;
         const unsigned short* from = valid ? src + (long long)(row0 + row) * ld_src + col : src;  // 0 bytes read if not
-        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + operand_offset(row, col, LD_HD)));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(valid ? 16 : 0)
-                     : "memory");
+        cp_async_16(dst + operand_offset(row, col, LD_HD), from, valid);
     });
 }
 
