@@ -3,9 +3,9 @@
 With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by side):
 
     Q0 = X Wq^T            [K0 | V0] = T [Wk | Wv]^T (one batched GEMM)     dO = dY Wo
-    attention kernel → O, dQ, dKV = [dK | dV]                  (biases bq, bk, bv added inside;
-                                 fp16 mode, where attention_bwd.half_kv says: [K0 | V0] written as fp16
-                                 by its GEMM, bk and bv left out where they cancel, ATTN_KV_HALF)
+    attention kernel → O, dQ, dKV = [dK | dV]                  (bq added inside, bv to O; bk and bv
+                                 cancel elsewhere; fp16 mode, where attention_bwd.half_kv says: [K0 | V0]
+                                 written as fp16 by its GEMM, ATTN_KV_HALF)
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row,
                                                  mostly over partial sums that other kernels write)

@@ -19,7 +19,7 @@
 //                     times O's scale, see store_o)
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce,
 //                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
-//   biases          : device array of the three bias addresses bq, bk, bv ([D] each)
+//   biases          : device array of the three bias addresses bq, bk, bv ([D] each; bk unread, below)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
 //                     dK and dV rows come out 0 (every row of dkv_part is still written). Their K
 //                     and V rows are not read (loaded as zeros: they cannot set an operand scale or
@@ -41,13 +41,16 @@
 #ifndef ATTN_O_HALF
 #define ATTN_O_HALF 0
 #endif
+// bk and bv are never added to the key/value tiles (every build): bk shifts each row of S by a
+// constant (Q·bk), which the softmax takes out, and adds rowsum(dS)·bk = 0 to dQ; bv shifts each
+// row of dP by a constant (dO·bv), which D takes out of dS, and O by bv, added to O before it is
+// stored (stage_value_bias, add_to_columns). Left in, they would be rounded with K0 and V0 to the
+// operands' precision: where |bk| ≫ |K0| and |Q| is large, the rounding of bk swamps Q·K0 (a sample
+// with text 2^-16 and queries 2^16 times the others' made tf32's dX off by 4e3; test_gpu_backward).
 // ATTN_KV_HALF (the fp16 mode; the tf32 mode's streamed kernel): kv0 is fp16, [K0 | V0] · s_KV as
 // its GEMM wrote it (tf32: as a conversion wrote it), one power-of-two scale for the whole tensor
 // (kv_half_scale); key/value tiles are copied into the operand tiles as
-// they are by cp.async (the streamed kernel: the next while the present one is used). bk and bv are
-// not added to the tiles: bk shifts each row of S by a constant (Q·bk), which the softmax takes out,
-// and adds rowsum(dS)·bk = 0 to dQ; bv shifts each row of dP by a constant (dO·bv), which D takes
-// out of dS, and O by bv, added to O before it is stored. s_KV comes from a bound, loose by ~2^11
+// they are by cp.async (the streamed kernel: the next while the present one is used). s_KV comes from a bound, loose by ~2^11
 // on the benchmark's inputs, so dS's scale does not come through s_KV: the streamed kernel takes it
 // from pass 1's max|dP| (ds_observed_scale), the resident one from its bound with the block's
 // observed max|V| (v_bound_scale).
@@ -207,7 +210,7 @@ __device__ __forceinline__ float v_bound_scale(const float* red, float s_kv) {
     return pow2(min(max(exponent_of(s_kv) + exponent_of(read_scale(red)), -126), 126));
 }
 
-// ATTN_KV_HALF: the head's bv into shared memory (bv_s, ATTN_HEAD_DIM floats) once a block, for
+// The head's bv into shared memory (bv_s, ATTN_HEAD_DIM floats) once a block, for
 // add_to_columns after the block's next barrier (not a global load before each tile's O stores).
 __device__ __forceinline__ void stage_value_bias(float* bv_s, const float* __restrict__ bv) {
     static_assert(ATTN_HEAD_DIM <= ATTN_THREADS, "a column a thread");
@@ -410,14 +413,13 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_KV : p_s;  // [ATTN_BLOCK_Q][LD_KV]: dS (see store_ds)
     operand_t *k_s = k_tiles, *v_s = v_tiles;  // the key/value tile in use (ATTN_KV_HALF: one of two buffers)
     __shared__ float red[4][ATTN_THREADS / 32];  // block maxima: Q, dO, K, V (ATTN_KV_HALF: red[2] max|dP|)
-    __shared__ __align__(8) float bv_s[ATTN_KV_HALF ? ATTN_HEAD_DIM : 1];  // ATTN_KV_HALF: bv (stage_value_bias)
+    __shared__ __align__(8) float bv_s[ATTN_HEAD_DIM];  // bv (stage_value_bias)
 
     // The caller's bias arrays move from call to call (a replayed graph cannot bake them in):
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const float* bq = biases[0] + col;
-    const float* bv = biases[2] + col;
-    if (ATTN_KV_HALF) stage_value_bias(bv_s, bv);  // read after pass 1's barriers
+    stage_value_bias(bv_s, biases[2] + col);  // read after pass 1's barriers
     const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
@@ -462,7 +464,6 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         v_scale.update(s_kv);
     };
 #else
-    const float* bk = biases[1] + col;
     // fp16 build: the next key/value tile, staged as fp32 ([ATTN_BLOCK_KV][head_dim] each)
     float* stage_k = reinterpret_cast<float*>(ds_s + ATTN_BLOCK_Q * LD_KV);
     float* stage_v = stage_k + ATTN_BLOCK_KV * ATTN_HEAD_DIM;
@@ -478,13 +479,13 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         if (ATTN_HALF) {
             cp_async_wait_all();
             __syncthreads();  // the staged tile is complete; the previous tile's readers of k_s, v_s are done
-            load_tiles<ATTN_BLOCK_KV>(k_s, stage_k, bk, red[2], k_scale, v_s, stage_v, bv, red[3], v_scale,
+            load_tiles<ATTN_BLOCK_KV>(k_s, stage_k, nullptr, red[2], k_scale, v_s, stage_v, nullptr, red[3], v_scale,
                                       ATTN_HEAD_DIM, 0, n_keys - kv0);
             __syncthreads();  // k_s and v_s are written; the staging is read
             if (next_kv0 >= 0) prefetch_kv(next_kv0);
         } else {
             __syncthreads();
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, bk, red[2], k_scale, v_s, hs.v, bv, red[3], v_scale, ld_kv, kv0,
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, nullptr, red[2], k_scale, v_s, hs.v, nullptr, red[3], v_scale, ld_kv, kv0,
                                       n_keys);
             __syncthreads();
         }
@@ -560,7 +561,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
             }
         }
         unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
-        if (ATTN_KV_HALF) add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv: V's tiles come without bv
+        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv: V's tiles come without bv
         store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv),
                 o_lo_offset);
 
@@ -665,7 +666,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     operand_t* p_s = do_s + ATTN_BLOCK_Q * LD_HD;           // [ATTN_BLOCK_Q][LD_P]: P
     operand_t* ds_s = ATTN_HALF ? p_s + ATTN_BLOCK_Q * LD_P : p_s;  // [ATTN_BLOCK_Q][LD_P]: dS (see store_ds)
     __shared__ float red[4][ATTN_THREADS / 32];  // block maxima: K, V, Q, dO (ATTN_KV_HALF: red[1] max|V|)
-    __shared__ __align__(8) float bv_s[ATTN_KV_HALF ? ATTN_HEAD_DIM : 1];  // ATTN_KV_HALF: bv (stage_value_bias)
+    __shared__ __align__(8) float bv_s[ATTN_HEAD_DIM];  // bv (stage_value_bias)
     __shared__ float2 part_row[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];  // each key part's row max and sum
     __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 
@@ -689,14 +690,13 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     cp_async_commit();
     cp_async_wait_all();
     publish_max(red[1], copied_half_amax<NK>(v_s));
-    stage_value_bias(bv_s, biases[2] + col);
     const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
 #else
     RunScale k_scale, v_scale;
-    load_tiles<NK>(k_s, hs.k, biases[1] + col, red[0], k_scale, v_s, hs.v, biases[2] + col, red[1], v_scale, ld_kv, 0,
-                   n_keys);
+    load_tiles<NK>(k_s, hs.k, nullptr, red[0], k_scale, v_s, hs.v, nullptr, red[1], v_scale, ld_kv, 0, n_keys);
     const float s_k = k_scale.s, s_v = v_scale.s;
 #endif
+    stage_value_bias(bv_s, biases[2] + col);
 
     // dK and dV accumulate over the query tiles at the latest tile's operand scales,
     // ds_run.s·q_run.s and P_SCALE·do_run.s (attention_common.cuh).
@@ -797,7 +797,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
             zero<NT_HD>(o_acc);
             rows_times_add<NK, NT_HD>(o_acc, p_s, LD_P, v_s + col0, r0, g, t);
             unscale<NT_HD>(o_acc, P_SCALE, s_v);
-            if (ATTN_KV_HALF) add_to_columns<NT_HD>(o_acc, bv_s + col0, t);  // O = P V0 + bv
+            add_to_columns<NT_HD>(o_acc, bv_s + col0, t);  // O = P V0 + bv
             store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, q_row0 + r0, n_video,
                            o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);
         }
