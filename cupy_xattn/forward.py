@@ -4,7 +4,7 @@
     Y = O Wo^T + bo
 
 Issued eagerly on the current stream (a training step calls it once per layer; the backward is
-the part with a plan). The biases bq, bk, bv are added inside the attention kernel.
+the part with a plan). bq is added inside the attention kernel and bv to O there; bk cancels in the softmax.
 """
 
 import numpy

@@ -217,17 +217,6 @@ __device__ __forceinline__ void stage_value_bias(float* bv_s, const float* __res
     if (threadIdx.x < ATTN_HEAD_DIM) bv_s[threadIdx.x] = bv[threadIdx.x];
 }
 
-// c[·][col] += bias[col] for a warp's 16-row accumulator tile (C layout: columns n·8 + 2t, + 1).
-template <int NT>
-__device__ __forceinline__ void add_to_columns(float c[NT][4], const float* bias, int t) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const float2 b = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * t);
-        c[n][0] += b.x, c[n][1] += b.y;
-        c[n][2] += b.x, c[n][3] += b.y;
-    }
-}
-
 // Store this warp's rows of dS (at scale s_ds) in ds_s and run dv_product (dV += P^T dO, which reads
 // every row of P) on the right side of the barriers. fp16 builds: dS has a buffer of its own, so one
 // barrier publishes P and dS together and the products dV, dK, dQ follow back to back. fp32 builds:

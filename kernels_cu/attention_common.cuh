@@ -224,6 +224,17 @@ __device__ __forceinline__ float read_scale(const float* red) {
 #endif
 }
 
+// c[·][col] += bias[col] for a warp's 16-row accumulator tile (C layout: columns n·8 + 2t, + 1).
+template <int NT>
+__device__ __forceinline__ void add_to_columns(float c[NT][4], const float* bias, int t) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const float2 b = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * t);
+        c[n][0] += b.x, c[n][1] += b.y;
+        c[n][2] += b.x, c[n][3] += b.y;
+    }
+}
+
 // The scale s to store the tiles of a run at, whose products are summed: update() takes the next
 // tile's own scale and sets s to it, but to at most 2^30 times the least own scale of the run (so
 // the sum, kept at the latest tile's scale, stays below ~2^100: a tile 2^30 smaller than the

@@ -1,10 +1,12 @@
 // Fused attention forward for cross-attention: O = softmax(scale Q K^T) V per (batch, head), with
-// Q = Q0 + bq, K = K0 + bk, V = V0 + bv (the projections done by cuBLAS, the biases added here).
+// Q = Q0 + bq, K = K0 + bk, V = V0 + bv (the projections done by cuBLAS). bq is added to the query
+// tile; bk and bv never enter the key/value tiles (as in attention_bwd.cu): bk shifts each row of
+// S by a constant, which the softmax takes out, and bv is added to O, as P's rows sum to 1.
 // S and P live only in registers and shared memory.
 //
 // Layouts as in attention_bwd.cu (row-major fp32, heads side by side in D = H·head_dim):
 //   q0, o : [B·Nv, D]     kv0 : [B·Nt, 2D] (K0 in columns [0, D), V0 in [D, 2D))
-//   biases : device array of the three bias addresses bq, bk, bv     text_lengths : [B] ints
+//   biases : device array of the three bias addresses bq, bk (unread), bv     text_lengths : [B] ints
 //
 // Grid (query tiles, H, B), ATTN_THREADS threads: block (i, h, b) computes rows
 // [i·ATTN_BLOCK_Q, +ATTN_BLOCK_Q) of O for head h of sample b, streaming that sample's first
@@ -39,8 +41,8 @@ attn_fwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
     zero<NT_HD>(o_acc);
     for (int kv_row0 = 0; kv_row0 < n_keys; kv_row0 += ATTN_BLOCK_KV) {
         __syncthreads();  // q_s is written; the previous tile's readers of k_s and v_s are done
-        load_tile<ATTN_BLOCK_KV>(k_s, k, ld_kv, kv_row0, n_keys, biases[1] + col);
-        load_tile<ATTN_BLOCK_KV>(v_s, v, ld_kv, kv_row0, n_keys, biases[2] + col);
+        load_tile<ATTN_BLOCK_KV>(k_s, k, ld_kv, kv_row0, n_keys, nullptr);
+        load_tile<ATTN_BLOCK_KV>(v_s, v, ld_kv, kv_row0, n_keys, nullptr);
         __syncthreads();
         float s[NT_KV][4];
         score_tile<NT_KV>(s, q_s, k_s, r0, kv_row0, n_keys, scale_log2, g, t);
@@ -65,5 +67,6 @@ attn_fwd(const float* __restrict__ q0, const float* __restrict__ kv0, const floa
             o_acc[n][2 * h + 1] *= inv_l;
         }
     }
+    add_to_columns<NT_HD>(o_acc, biases[2] + col, t);  // O = P V0 + bv
     store_rows(o + video, hidden, q_row0 + r0, n_video, o_acc, g, t);
 }
