@@ -46,11 +46,12 @@
 // row of dP by a constant (dO·bv), which D takes out of dS, and O by bv, added to O before it is
 // stored (stage_value_bias, add_to_columns). Left in, they would be rounded with K0 and V0 to the
 // operands' precision: where |bk| ≫ |K0| and |Q| is large, the rounding of bk swamps Q·K0 (a sample
-// with text 2^-16 and queries 2^16 times the others' made tf32's dX off by 4e3; test_gpu_backward).
+// with text 2^-16 and video latents, dY 2^16 times the other's made tf32's dX off by 3.7e3;
+// test_gpu_backward).
 // ATTN_KV_HALF (the fp16 mode; the tf32 mode's streamed kernel): kv0 is fp16, [K0 | V0] · s_KV as
 // its GEMM wrote it (tf32: as a conversion wrote it), one power-of-two scale for the whole tensor
-// (kv_half_scale); key/value tiles are copied into the operand tiles as
-// they are by cp.async (the streamed kernel: the next while the present one is used). s_KV comes from a bound, loose by ~2^11
+// (kv_half_scale); key/value tiles are copied into the operand tiles as they are by cp.async (the
+// streamed kernel: the next while the present one is used). s_KV comes from a bound, loose by ~2^11
 // on the benchmark's inputs, so dS's scale does not come through s_KV: the streamed kernel takes it
 // from pass 1's max|dP| (ds_observed_scale), the resident one from its bound with the block's
 // observed max|V| (v_bound_scale).
@@ -474,8 +475,8 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
             if (next_kv0 >= 0) prefetch_kv(next_kv0);
         } else {
             __syncthreads();
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, nullptr, red[2], k_scale, v_s, hs.v, nullptr, red[3], v_scale, ld_kv, kv0,
-                                      n_keys);
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, nullptr, red[2], k_scale, v_s, hs.v, nullptr, red[3], v_scale, ld_kv,
+                                      kv0, n_keys);
             __syncthreads();
         }
     };
