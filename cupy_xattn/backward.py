@@ -116,9 +116,12 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     SMs: from 2x512x77 where Q0's (B·Nv × D) holds at most three quarters (v45: −2 to −25 µs a case
     at B·Nv ≤ 1382; with it B·Nv = 2048 or B·Nt = 1172 ran 5 and 21 µs slower), from 4x512x77
     where it holds at most as many (v46: 4x512x77 −22, 2x1024x77 −10 µs; 2x2048x77 +38 with it).
-    fp16 gained nothing from the first table; where Q0's holds at most a quarter and [K0 | V0]'s
-    half (v44: −2 to −6 µs a case at B·Nv = 512, larger problems slower), a third each for the
-    projections, half for the last four."""
+    fp16, where [K0 | V0]'s holds at most a quarter (v44, v52): where Q0's holds at most a quarter
+    too (B·Nv ≤ 528), a third each for the projections and dWo, half for the last four (v44: −2 to
+    −6 µs a case at B·Nv = 512; v52, dWo at a third: −0.6 to −1.6 more); where it holds at most as
+    many (B·Nv ≤ 2112), Q0 and dWo two thirds and dWq half (v52, from one product at a time:
+    2x512x77 −3 to −5, 2x691x77, 4x512x77 and 2x1024x77 −4 to −6 µs; fp32's tables gained fp16
+    nothing). Larger fp16 problems gained ≤ 3 µs from any single product (4x853x77, 2x2048x77)."""
     tile = sm_count * 128 * 128
     names = ("q0", "kv0", "dout", "dwo", "dx", "dwq", "dt", "dwkv")
     half, third, two_thirds = sm_count // 2, sm_count // 3, 2 * sm_count // 3
@@ -127,8 +130,11 @@ def _sm_shares(precision, mv, mt, d, sm_count):
             return dict(zip(names, (half, third, half, third, half, two_thirds, third, two_thirds)))
         if mv * d <= tile:
             return dict(zip(names, (two_thirds, half, 0, third, third, two_thirds, third, 0)))
-    if precision != "tf32" and 4 * max(mv, mt) * d <= tile:
-        return dict(zip(names, (third, third, third, 0, half, half, half, half)))
+    if precision == "fp16" and 4 * mt * d <= tile:
+        if 4 * mv * d <= tile:
+            return dict(zip(names, (third, third, third, third, half, half, half, half)))
+        if mv * d <= tile:
+            return dict(zip(names, (two_thirds, 0, 0, two_thirds, 0, half, 0, 0)))
     return dict.fromkeys(names, 0)
 
 
