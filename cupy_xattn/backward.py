@@ -107,10 +107,14 @@ def _tf32_shapes(mv, mt, d):
 
 
 def _sm_shares(precision, mv, mt, d, sm_count):
-    """SMs cuBLAS is told to plan each half-mode product for (cublasSetSmCountTarget; 0: all), by
-    name: the projections q0, kv0, dout; dwo beside the second conversion; dx then dwq, dt then
-    dwkv on the two lanes after it. Planned for every SM, a small product takes tiles small enough
-    to fill them all, against the GEMMs beside it (perf-notes v44 to v46; tf32 gained from none).
+    """SMs cuBLAS is told to plan each product for (cublasSetSmCountTarget; 0: all), by name: the
+    projections q0, kv0, dout; dwo beside the second conversion; dx then dwq, dt then dwkv on the
+    two lanes after it (half modes). Planned for every SM, a small product takes tiles small enough
+    to fill them all, against the GEMMs beside it (perf-notes v44 to v46, v52, v53).
+    tf32 (its own schedule, _record_tf32, reads only dx and dt): dX at a third and dT at two thirds
+    where B·Nt ≤ 528 and 528 < B·Nv ≤ 1584 (v53, from one product at a time: 2x512x77 −6.4 to
+    −6.9, 2x691x77 −10.3 to −11.4 µs; at B·Nv = 2048 dX at a third was 4 µs slower; at 512 no
+    single target gained).
     fp32 (three fp16 GEMMs a product): tables found one product at a time (scripts/sm_share_probe.py)
     where [K0 | V0]'s output (B·Nt × 2D) holds at most half as many 128 × 128 tiles as there are
     SMs: from 2x512x77 where Q0's (B·Nv × D) holds at most three quarters (v45: −2 to −25 µs a case
@@ -130,6 +134,8 @@ def _sm_shares(precision, mv, mt, d, sm_count):
             return dict(zip(names, (half, third, half, third, half, two_thirds, third, two_thirds)))
         if mv * d <= tile:
             return dict(zip(names, (two_thirds, half, 0, third, third, two_thirds, third, 0)))
+    if precision == "tf32" and 4 * mt * d <= tile and tile < 4 * mv * d <= 3 * tile:
+        return dict(zip(names, (0, 0, 0, 0, third, 0, two_thirds, 0)))
     if precision == "fp16" and 4 * mt * d <= tile:
         if 4 * mv * d <= tile:
             return dict(zip(names, (third, third, third, third, half, half, half, half)))
@@ -452,8 +458,9 @@ class Backward:
                                          dst_step=d * ldv, sums=DY_SUMS, sum_from=1), 2)
 
         self._fork()
+        sms = _sm_shares("tf32", mv, mt, d, self._sm_count)
         gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
-             trans_b=True)
+             trans_b=True, sm_target=sms["dx"])
         if video_tn:  # dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T
             step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv, sums=DQ_SUMS), 2)
             self._record_column_sums([DY_SUMS, DQ_SUMS], _VIDEO_BIASES, tiles_v, d, lane=2)
@@ -470,7 +477,7 @@ class Backward:
         n = d // parts
         gemm([DKV] * parts, [addr(self._wqkv_t, 4 * (i * n * 3 * d + d)) for i in range(parts)],
              [("grad_text_embeddings", 4 * i * n) for i in range(parts)], m=mt, n=n, k=2 * d, lda=2 * d,
-             ldb=3 * d, ldc=d, trans_b=True, lane=1)
+             ldb=3 * d, ldc=d, trans_b=True, lane=1, sm_target=sms["dt"])
         if text_tn:  # [dWk | dWv] = [dK | dV]^T (T^T)^T
             step("[dK | dV]^T", Transposed(at(DKV), 1, DK_T, mt, 2 * d, ld=ldt, sums=addr(self._text_sums)), 1)
             self._record_column_sums([addr(self._text_sums), addr(self._text_sums, 4 * d)], _TEXT_BIASES, tiles_t,
