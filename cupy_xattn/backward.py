@@ -219,16 +219,15 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        # fp16 mode, where half_kv says: [K0 | V0] in fp16 from its GEMM (at alpha kv_half_alpha),
-        # whose tiles the attention copies as they are
         kv_half = half_kv(problem, precision, sm_count)
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
                                             o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision),
                                             kv_half=kv_half)
         self._q0, self._dout = f32(mv, d), f32(mv, d)
-        self._kv0 = cupy.empty((mt, 2 * d), numpy.float16) if kv_half and precision == "fp16" else f32(mt, 2 * d)
-        # tf32: [K0 | V0]'s fp16 copy, converted at the scale of its own max (the TF32 GEMM writes fp32)
-        self._kv0_half = cupy.empty((mt, 2 * d), numpy.float16) if kv_half and precision == "tf32" else None
+        kv0_dtype, kv0_copy = _kv0_buffers(precision, kv_half)
+        self._kv0 = cupy.empty((mt, 2 * d), kv0_dtype)
+        self._kv0_half = cupy.empty((mt, 2 * d), numpy.float16) if kv0_copy else None
+        self._kv_scaler = HalfScaler(1, sm_count) if kv0_copy else None  # the copy's one scale
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         # [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
@@ -267,9 +266,8 @@ class Backward:
         fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d))
                     + math.prod(_dkv_shape(precision, n_chunks, mt, d))
                     + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [dK|dV]; ones
-        kv_half = half_kv(problem, precision, sm_count)
-        fp32 += (2 if kv_half and precision == "fp16" else 4) * mt * 2 * d  # [K0|V0]
-        fp32 += 2 * mt * 2 * d if kv_half and precision == "tf32" else 0  # tf32: and its fp16 copy
+        kv0_dtype, kv0_copy = _kv0_buffers(precision, half_kv(problem, precision, sm_count))
+        fp32 += (numpy.dtype(kv0_dtype).itemsize + 2 * kv0_copy) * mt * 2 * d  # [K0|V0] and its fp16 copy
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
         if _half_mode(precision):  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
@@ -440,7 +438,6 @@ class Backward:
         step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
                                                 addr(self._wqkv_t), d, d), 1)  # dX and dT read them
         if self._kv0_half is not None:  # the streamed attention's fp16 [K0 | V0] (attention_bwd.half_kv)
-            self._kv_scaler = HalfScaler(1, self._sm_count)
             copy, rescale = self._kv_scaler.group(at(addr(self._kv0)), [(mt * 2 * d, addr(self._kv0_half), 0, 0, 0, 0)])
             step("[K0 | V0] to fp16", copy, 1)
             step("fp16 rescale [K0 | V0]", rescale, 1)
@@ -564,6 +561,14 @@ class Backward:
             # whoever orders itself after the main lane (and reuses these buffers) is after it too.
             self._join_lanes()
             raise
+
+
+def _kv0_buffers(precision, kv_half):
+    """[K0 | V0]: the dtype its GEMM writes, and whether an fp16 copy of it is made. Where kv_half
+    (attention_bwd.half_kv), the attention reads it as fp16 and copies its tiles as they are: the
+    fp16 mode's GEMM writes fp16 (at alpha kv_half_alpha); the tf32 mode's TF32 GEMM can only write
+    fp32, so a conversion at the scale of its own max makes the fp16 copy."""
+    return (numpy.float16 if kv_half and precision == "fp16" else numpy.float32), kv_half and precision == "tf32"
 
 
 def _conversion_shapes(mv, mt, d):
