@@ -582,6 +582,46 @@ def test_the_fast_check_refuses_outputs_that_overlap_and_allows_an_input_twice(g
     assert checks.fast_validate(twice, **kwargs, out=out[:6] + [out[4]] + out[7:]) is None
 
 
+def _static_shared_bytes(ptx):
+    """Bytes of the statically sized shared arrays a PTX module declares (the dynamic one is
+    ``.extern``, without a size)."""
+    return sum(int(size) for size in re.findall(r"^\s*\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\];", ptx, re.M))
+
+
+def test_static_shared_bytes_counts_sized_arrays_only():
+    ptx = (".extern .shared .align 16 .b8 smem4[];\n.shared .align 4 .b8 red[64];\n"
+           "  .shared .align 8 .b8 bv_s[512];\n\tld.shared.f32 %f1, [%r2];\n")
+    assert _static_shared_bytes(ptx) == 576
+
+
+def test_attention_builds_fit_the_sm_at_the_blocks_they_plan(gpu, monkeypatch):
+    # kernel_choice sizes the dynamic shared memory; the kernels' static arrays (block maxima, bv's
+    # columns) come on top, and with the SM's 1 KiB reserved per block the fp32 streamed head_dim-128
+    # build had 1 KiB left at two blocks per SM (Session 22). Every build that the backward plans for
+    # the two suites, in each mode, on an H200 (132 SMs, 228 KiB per SM, 227 KiB per block): a build
+    # that no longer fits loses a block per SM without an error (or fails to launch, past 227 KiB).
+    from cupy_xattn import attention_bwd, backward, cases, kernels
+    from cupy_xattn.checks import Problem
+    builds = {}
+    for suite in cases.SUITES:
+        hidden, heads = cases.suite_sizes(suite)
+        for case in cases.load_suite(suite):
+            for precision in ("fp32", "tf32", "fp16"):
+                problem = Problem(case.batch_size, case.num_video_tokens, case.num_text_tokens, hidden, heads,
+                                  hidden // heads, 0.125)
+                attention = backward.Backward(problem, precision, gpu.null, 132)._attention
+                blocks = attention_bwd.launch_layout(problem, precision, 132)[4]
+                key = (attention._main.name, tuple(sorted(attention._main.defines.items())),
+                       "sm_90a" if attention.wgmma else "sm_90")
+                builds[key] = max(builds.get(key, (0, 0)), (attention._smem_bytes, blocks))
+    monkeypatch.undo()  # the real CuPy again, for NVRTC
+    assert len(builds) >= 8, builds  # resident and streamed, fp16 operands and 3xTF32, head_dim 64 and 128
+    for (name, defines, arch), (dynamic, blocks) in builds.items():
+        ptx = kernels.compile_ptx("attention_bwd.cu", arch, dict(defines))
+        block = dynamic + _static_shared_bytes(ptx.decode() if isinstance(ptx, bytes) else ptx)
+        assert block <= 227 << 10 and blocks * (block + 1024) <= 228 << 10, (name, defines, dynamic, block, blocks)
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp32", "fp16"])
 @pytest.mark.parametrize("shape", [(2, 70, 20), (8, 300, 77), (1, 1, 1), (4, 64, 200), (4, 257, 300)])
 def test_memory_estimate_matches_what_a_recording_allocates(gpu, monkeypatch, shape, precision):
