@@ -120,8 +120,8 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     SMs: from 2x512x77 where Q0's (B·Nv × D) holds at most three quarters (v45: −2 to −25 µs a case
     at B·Nv ≤ 1382; with it B·Nv = 2048 or B·Nt = 1172 ran 5 and 21 µs slower), from 4x512x77
     where it holds at most as many (v46: 4x512x77 −22, 2x1024x77 −10 µs; 2x2048x77 +38 with it).
-    fp16, where [K0 | V0]'s holds at most a quarter (v44, v52): where Q0's holds at most a quarter
-    too (B·Nv ≤ 528), a third each for the projections and dWo, half for the last four (v44: −2 to
+    fp16, where [K0 | V0]'s holds at most half as many (v44, v52): where Q0's holds at most a
+    quarter (B·Nv ≤ 528), a third each for the projections and dWo, half for the last four (v44: −2 to
     −6 µs a case at B·Nv = 512; v52, dWo at a third: −0.6 to −1.6 more); where it holds at most as
     many (B·Nv ≤ 2112), Q0 and dWo two thirds and dWq half (v52, from one product at a time:
     2x512x77 −3 to −5, 2x691x77, 4x512x77 and 2x1024x77 −4 to −6 µs; fp32's tables gained fp16
