@@ -469,14 +469,14 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         if (ATTN_HALF) {
             cp_async_wait_all();
             __syncthreads();  // the staged tile is complete; the previous tile's readers of k_s, v_s are done
-            load_tiles<ATTN_BLOCK_KV>(k_s, stage_k, nullptr, red[2], k_scale, v_s, stage_v, nullptr, red[3], v_scale,
+            load_tiles<ATTN_BLOCK_KV>(k_s, stage_k, nullptr, red[2], k_scale, v_s, stage_v, red[3], v_scale,
                                       ATTN_HEAD_DIM, 0, n_keys - kv0);
             __syncthreads();  // k_s and v_s are written; the staging is read
             if (next_kv0 >= 0) prefetch_kv(next_kv0);
         } else {
             __syncthreads();
-            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, nullptr, red[2], k_scale, v_s, hs.v, nullptr, red[3], v_scale, ld_kv,
-                                      kv0, n_keys);
+            load_tiles<ATTN_BLOCK_KV>(k_s, hs.k, nullptr, red[2], k_scale, v_s, hs.v, red[3], v_scale, ld_kv, kv0,
+                                      n_keys);
             __syncthreads();
         }
     };
@@ -489,7 +489,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         // which its stores follow.
         if (!ATTN_HALF) __syncthreads();
         RunScale q_scale, do_scale;
-        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, bq, red[0], q_scale, do_s, hs.dout, nullptr, red[1], do_scale, hidden,
+        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, bq, red[0], q_scale, do_s, hs.dout, red[1], do_scale, hidden,
                                  q_row0, n_video);
         const float s_q = q_scale.s, s_do = do_scale.s;
 
@@ -683,7 +683,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
 #else
     RunScale k_scale, v_scale;
-    load_tiles<NK>(k_s, hs.k, nullptr, red[0], k_scale, v_s, hs.v, nullptr, red[1], v_scale, ld_kv, 0, n_keys);
+    load_tiles<NK>(k_s, hs.k, nullptr, red[0], k_scale, v_s, hs.v, red[1], v_scale, ld_kv, 0, n_keys);
     const float s_k = k_scale.s, s_v = v_scale.s;
 #endif
     stage_value_bias(bv_s, biases[2] + col);
@@ -715,7 +715,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
         // The previous tile's readers of q_s, do_s, p_s and ds_s are done (and, at the first tile, K and V
         // are stored): in the fp16 build at load_tiles' barrier, which its stores follow.
         if (!ATTN_HALF) __syncthreads();
-        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, biases[0] + col, red[2], q_run, do_s, hs.dout, nullptr, red[3], do_run,
+        load_tiles<ATTN_BLOCK_Q>(q_s, hs.q, biases[0] + col, red[2], q_run, do_s, hs.dout, red[3], do_run,
                                  hidden, q_row0, n_video);
         if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform
         const float s_q = q_run.s, s_do = do_run.s;

@@ -554,13 +554,15 @@ __device__ __forceinline__ float copied_half_amax(const operand_t* tile) {
 
 // Two tiles into shared memory (TileIn), stored at the scales their runs give them (RunScale),
 // the tiles' own found over one __syncthreads (publish_max); 1 in the fp32 builds, with no barrier.
+// Only the first takes a bias (bq into Q; null for K): dO's tile has none, and bk, bv stay out of
+// the key/value tiles (attention_bwd.cu).
 template <int ROWS>
 __device__ __forceinline__ void load_tiles(operand_t* dst_a, const float* src_a, const float* bias_a, float* red_a,
-                                           RunScale& run_a, operand_t* dst_b, const float* src_b, const float* bias_b,
-                                           float* red_b, RunScale& run_b, long long ld_src, int row0, int n_valid) {
+                                           RunScale& run_a, operand_t* dst_b, const float* src_b, float* red_b,
+                                           RunScale& run_b, long long ld_src, int row0, int n_valid) {
     TileIn<ROWS> a, b;
     a.load(src_a, ld_src, row0, n_valid, bias_a);
-    b.load(src_b, ld_src, row0, n_valid, bias_b);
+    b.load(src_b, ld_src, row0, n_valid, nullptr);
     publish_max(red_a, a.amax);
     publish_max(red_b, b.amax);
     if (ATTN_HALF) __syncthreads();
