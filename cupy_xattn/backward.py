@@ -106,42 +106,42 @@ def _tf32_shapes(mv, mt, d):
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 
+_GEMM_NAMES = ("q0", "kv0", "dout", "dwo", "dx", "dwq", "dt", "dwkv")
+_ALL, _THIRD, _HALF, _TWO_THIRDS = (0, 1), (1, 3), (1, 2), (2, 3)  # shares of the SMs (0: all)
+_INF = float("inf")
+# (mode, B·Nt range, B·Nv range, targets of q0, kv0, dout, dwo, dx, dwq, dt, dwkv): the first row whose
+# ranges (lo, hi], in units of _sm_shares' q, hold the problem. Found one product at a time
+# (scripts/sm_share_probe.py), then A/B'd as a table (perf-notes, the versions named).
+_SM_TABLES = [
+    ("fp32", (0, 1), (0, 3), (_HALF, _THIRD, _HALF, _THIRD, _HALF, _TWO_THIRDS, _THIRD, _TWO_THIRDS)),  # v45
+    ("fp32", (0, 1), (3, 4), (_TWO_THIRDS, _HALF, _ALL, _THIRD, _THIRD, _TWO_THIRDS, _THIRD, _ALL)),  # v46
+    ("tf32", (0, 1), (1, 3), (_ALL, _ALL, _ALL, _ALL, _THIRD, _ALL, _TWO_THIRDS, _ALL)),  # v53
+    ("tf32", (0.5, 1), (0, 4), (_ALL, _ALL, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL)),  # v54
+    ("tf32", (1, 2), (0, _INF), (_ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL, _ALL, _ALL)),  # v54
+    ("fp16", (0, 1), (0, 1), (_THIRD, _THIRD, _THIRD, _THIRD, _HALF, _HALF, _HALF, _HALF)),  # v44, v52
+    ("fp16", (0, 1), (1, 4), (_TWO_THIRDS, _ALL, _ALL, _TWO_THIRDS, _ALL, _HALF, _ALL, _ALL)),  # v52
+    ("fp16", (0, 1), (4, _INF), (_ALL, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL, _ALL)),  # v54
+    ("fp16", (1, 2), (4, _INF), (_TWO_THIRDS, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL, _ALL)),  # v54
+    ("fp16", (1, 4), (0, 4), (_TWO_THIRDS, _ALL, _ALL, _TWO_THIRDS, _HALF, _ALL, _ALL, _ALL)),  # v54
+]
+
+
 def _sm_shares(precision, mv, mt, d, sm_count):
     """SMs cuBLAS is told to plan each product for (cublasSetSmCountTarget; 0: all), by name: the
     projections q0, kv0, dout; dwo beside the second conversion; dx then dwq, dt then dwkv on the
-    two lanes after it (half modes). Planned for every SM, a small product takes tiles small enough
-    to fill them all, against the GEMMs beside it (perf-notes v44 to v46, v52, v53).
-    tf32 (its own schedule, _record_tf32, reads only dx and dt): dX at a third and dT at two thirds
-    where B·Nt ≤ 528 and 528 < B·Nv ≤ 1584 (v53, from one product at a time: 2x512x77 −6.4 to
-    −6.9, 2x691x77 −10.3 to −11.4 µs; at B·Nv = 2048 dX at a third was 4 µs slower; at 512 no
-    single target gained).
-    fp32 (three fp16 GEMMs a product): tables found one product at a time (scripts/sm_share_probe.py)
-    where [K0 | V0]'s output (B·Nt × 2D) holds at most half as many 128 × 128 tiles as there are
-    SMs: from 2x512x77 where Q0's (B·Nv × D) holds at most three quarters (v45: −2 to −25 µs a case
-    at B·Nv ≤ 1382; with it B·Nv = 2048 or B·Nt = 1172 ran 5 and 21 µs slower), from 4x512x77
-    where it holds at most as many (v46: 4x512x77 −22, 2x1024x77 −10 µs; 2x2048x77 +38 with it).
-    fp16, where [K0 | V0]'s holds at most half as many (v44, v52): where Q0's holds at most a
-    quarter (B·Nv ≤ 528), a third each for the projections and dWo, half for the last four (v44: −2 to
-    −6 µs a case at B·Nv = 512; v52, dWo at a third: −0.6 to −1.6 more); where it holds at most as
-    many (B·Nv ≤ 2112), Q0 and dWo two thirds and dWq half (v52, from one product at a time:
-    2x512x77 −3 to −5, 2x691x77, 4x512x77 and 2x1024x77 −4 to −6 µs; fp32's tables gained fp16
-    nothing). Larger fp16 problems gained ≤ 3 µs from any single product (4x853x77, 2x2048x77)."""
-    tile = sm_count * 128 * 128
-    names = ("q0", "kv0", "dout", "dwo", "dx", "dwq", "dt", "dwkv")
-    half, third, two_thirds = sm_count // 2, sm_count // 3, 2 * sm_count // 3
-    if precision == "fp32" and 4 * mt * d <= tile:
-        if 4 * mv * d <= 3 * tile:
-            return dict(zip(names, (half, third, half, third, half, two_thirds, third, two_thirds)))
-        if mv * d <= tile:
-            return dict(zip(names, (two_thirds, half, 0, third, third, two_thirds, third, 0)))
-    if precision == "tf32" and 4 * mt * d <= tile and tile < 4 * mv * d <= 3 * tile:
-        return dict(zip(names, (0, 0, 0, 0, third, 0, two_thirds, 0)))
-    if precision == "fp16" and 4 * mt * d <= tile:
-        if 4 * mv * d <= tile:
-            return dict(zip(names, (third, third, third, third, half, half, half, half)))
-        if mv * d <= tile:
-            return dict(zip(names, (two_thirds, 0, 0, two_thirds, 0, half, 0, 0)))
-    return dict.fromkeys(names, 0)
+    two lanes after it (half modes; tf32's own schedule, _record_tf32, reads only dx and dt).
+    Planned for every SM, a product takes tiles small enough to fill them all, against the GEMMs
+    beside it. The tables (_SM_TABLES) are by B·Nt = mt and B·Nv = mv in units of q, the rows of a
+    D-wide output that holds a quarter as many 128 × 128 tiles as there are SMs (528 on the H200 at
+    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v54). Where no row holds a
+    problem, all: measured there, no single target gained beyond the drift (tf32 at B·Nv ≤ q with
+    B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q), or a table lost (fp32 at B·Nv = 8q or B·Nt > q:
+    +38 and +21 µs); other problems are untried."""
+    q = sm_count * 128 * 128 / (4 * d)
+    for mode, (t_lo, t_hi), (v_lo, v_hi), shares in _SM_TABLES:
+        if mode == precision and t_lo * q < mt <= t_hi * q and v_lo * q < mv <= v_hi * q:
+            return dict(zip(_GEMM_NAMES, (sm_count * num // den for num, den in shares)))
+    return dict.fromkeys(_GEMM_NAMES, 0)
 
 
 # fp16 scale slots, one per GEMM operand (Wk and Wv share one: [K0 | V0] is one GEMM, one alpha).

@@ -869,14 +869,18 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(2, 256, 77), (1, 528, 77), (1, 529, 77), (1, 128, 528), (1, 128, 529),
                                    (1, 1584, 77), (1, 1585, 77), (1, 2112, 77), (1, 2113, 77), (1, 1000, 528),
-                                   (1, 1000, 529), (64, 128, 77)])
+                                   (1, 1000, 529), (1, 2112, 264), (1, 2112, 265), (1, 2113, 265), (1, 4096, 1056),
+                                   (1, 4096, 1057), (1, 2112, 2112), (1, 2112, 2113), (1, 2113, 1057), (64, 128, 77)])
 def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypatch, precision, shape):
-    # fp16, where B·Nv and B·Nt ≤ 132 · 128² / (4 · D) = 528 (Q0's output at most 33 tiles of
-    # 128 × 128, [K0 | V0]'s 66): the three projections and dWo plan for a third of the SMs, the
-    # four GEMMs of the last two lanes for half; where B·Nt ≤ 528 and B·Nv ≤ 4 · 528, Q0 and dWo
-    # for two thirds, dWq for half. fp32, where B·Nt ≤ 528: a table of its own where B·Nv ≤ 3 · 528
-    # = 1584, another where B·Nv ≤ 4 · 528. tf32, where B·Nt ≤ 528 and 528 < B·Nv ≤ 1584: dX for a
-    # third, dT for two thirds. The bias sums and every larger problem: all (0).
+    # q = 132 · 128² / (4 · D) = 528 rows (Q0's output at most 33 tiles of 128 × 128). fp16, where
+    # B·Nv and B·Nt ≤ q: the three projections and dWo plan for a third of the SMs, the four GEMMs
+    # of the last two lanes for half; where B·Nt ≤ q and B·Nv ≤ 4q, Q0 and dWo for two thirds,
+    # dWq for half; B·Nt ≤ q and larger B·Nv, dWq for two thirds; q < B·Nt ≤ 2q and B·Nv > 4q, Q0
+    # and dWq for two thirds; q < B·Nt ≤ 4q and B·Nv ≤ 4q, Q0 and dWo for two thirds, dX for half.
+    # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q. tf32,
+    # where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds; else where q/2 < B·Nt ≤ q
+    # and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two thirds. The bias sums and
+    # everything else: all (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     sm_targets = []
@@ -885,7 +889,13 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     program.run()
     b, nv, nt = shape
     if precision == "tf32":
-        dx_dt = (44, 88) if b * nt <= 528 and 528 < b * nv <= 1584 else (0, 0)
+        mv, mt = b * nv, b * nt
+        if mt <= 528 and 528 < mv <= 1584:
+            dx_dt = 44, 88
+        elif 264 < mt <= 528 and mv <= 2112:
+            dx_dt = 0, 88
+        else:
+            dx_dt = (88, 0) if 528 < mt <= 1056 else (0, 0)
         firsts = [_table_entries(program, args[13], args[16])[0] for args in calls]  # dT's: (name, byte offset)
         outputs = {first[0] if isinstance(first, tuple) else first: target for first, target in zip(firsts, sm_targets)}
         assert (outputs.pop("grad_video_latents"), outputs.pop("grad_text_embeddings")) == dx_dt
@@ -899,6 +909,12 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
         targets = 44, 44, 44, 44, 66, 66, 66, 66
     elif precision == "fp16" and b * nt <= 528 and b * nv <= 2112:
         targets = 88, 0, 0, 88, 0, 66, 0, 0
+    elif precision == "fp16" and b * nt <= 528:
+        targets = 0, 0, 0, 0, 0, 88, 0, 0
+    elif precision == "fp16" and b * nt <= 1056 and b * nv > 2112:
+        targets = 88, 0, 0, 0, 0, 88, 0, 0
+    elif precision == "fp16" and b * nt <= 2112 and b * nv <= 2112:
+        targets = 88, 0, 0, 88, 66, 0, 0, 0
     else:
         targets = (0,) * 8
     outputs = [program._q0.data.ptr, program._kv0.data.ptr, program._dout.data.ptr, "grad_output_weight",
