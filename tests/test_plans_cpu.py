@@ -877,7 +877,8 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     # of the last two lanes for half; where B·Nt ≤ q and B·Nv ≤ 4q, Q0 and dWo for two thirds,
     # dWq for half; B·Nt ≤ q and larger B·Nv, dWq for two thirds; q < B·Nt ≤ 2q and B·Nv > 4q, Q0
     # and dWq for two thirds; q < B·Nt ≤ 4q and B·Nv ≤ 4q, Q0 and dWo for two thirds, dX for half.
-    # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q. tf32,
+    # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q; where
+    # q < B·Nt ≤ 4q and B·Nv ≤ 4q a third; where q < B·Nt ≤ 2q and B·Nv > 4q a fourth. tf32,
     # where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds; else where q/2 < B·Nt ≤ q
     # and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two thirds. The bias sums and
     # everything else: all (0).
@@ -905,6 +906,10 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
         targets = 66, 44, 66, 44, 66, 88, 44, 88
     elif precision == "fp32" and b * nt <= 528 and b * nv <= 2112:
         targets = 88, 66, 0, 44, 44, 88, 44, 0
+    elif precision == "fp32" and 528 < b * nt <= 2112 and b * nv <= 2112:
+        targets = 88, 88, 88, 66, 66, 66, 88, 0
+    elif precision == "fp32" and 528 < b * nt <= 1056 and b * nv > 2112:
+        targets = 88, 0, 88, 66, 88, 88, 66, 0
     elif precision == "fp16" and b * nv <= 528 and b * nt <= 528:
         targets = 44, 44, 44, 44, 66, 66, 66, 66
     elif precision == "fp16" and b * nt <= 528 and b * nv <= 2112:
