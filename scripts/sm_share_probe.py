@@ -3,10 +3,13 @@ product at a time: the sweep's time of one case (cold L2, median) with the plan 
 with the target of a single recorded product (`backward.Backward._gemm`, in recording order; the
 fp32 mode's three GEMMs of a product together) set to each share of the SMs. ``--fixed`` holds
 some products' targets in every measurement (a candidate table; it is also timed against the plan
-without it); ``--shares ''`` times only that.
+without it); ``--shares ''`` times only that. ``--rounds N`` builds a candidate table greedily:
+after each round of single products, the best target that gained more than ``--min-gain`` µs joins
+the fixed ones and the next round probes the rest on top of them (the single gains of one round
+did not simply add up: perf-notes v45, v52); the table is printed as a ``--fixed`` argument.
 
 Usage: PYTHONPATH=. python3 scripts/sm_share_probe.py 2x256x77 tf32 [--shares 0.33,0.5,0.67] [--reps 20]
-                                                      [--fixed 0:66,3:44]
+                                                      [--fixed 0:66,3:44] [--rounds 3 --min-gain 2]
 """
 import argparse
 
@@ -22,6 +25,8 @@ def main():
     parser.add_argument("--shares", default="0.33,0.5,0.67", help="fractions of the SMs to try, comma-separated")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--fixed", default="", help="INDEX:SMS,... targets held in every measurement")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the greedy table (1: single products)")
+    parser.add_argument("--min-gain", type=float, default=2.0, help="µs a target must gain to join the table")
     args = parser.parse_args()
     case = cases.parse_shape(args.shape, atol=0.0)
     shares = [float(s) for s in args.shares.split(",") if s]
@@ -53,18 +58,36 @@ def main():
           f"{sm_count} SMs" + (f"; without --fixed {plain:.1f} us" if fixed else ""))
     if not shares:
         return
-    print(f"{'#':>3} {'product (m x n x k)':>24} {'target now':>10} " + " ".join(f"{s:>8.2f}" for s in shares))
-    for index, (label, now) in enumerate(products):
-        deltas = []
-        for share in shares:
-            override.clear()
-            override.update(fixed)
-            override[index] = max(1, round(share * sm_count))
-            deltas.append(time_plan() - base)
-        print(f"{index:>3} {label:>24} {now:>10} " + " ".join(f"{d:>+8.1f}" for d in deltas), flush=True)
-    override.clear()
-    override.update(fixed)
-    print(f"as planned again: {time_plan() - base:+.1f} us (the drift between measurements)")
+    for round_ in range(args.rounds):
+        print(f"{'#':>3} {'product (m x n x k)':>24} {'target now':>10} " + " ".join(f"{s:>8.2f}" for s in shares))
+        best = (-args.min_gain, None)  # (delta, (index, sms)): the largest gain beyond min_gain
+        for index, (label, now) in enumerate(products):
+            if index in fixed:
+                continue
+            deltas = []
+            for share in shares:
+                override.clear()
+                override.update(fixed)
+                override[index] = max(1, round(share * sm_count))
+                deltas.append(time_plan() - base)
+                if deltas[-1] < best[0]:
+                    best = (deltas[-1], (index, override[index]))
+            print(f"{index:>3} {label:>24} {now:>10} " + " ".join(f"{d:>+8.1f}" for d in deltas), flush=True)
+        override.clear()
+        override.update(fixed)
+        print(f"as planned again: {time_plan() - base:+.1f} us (the drift between measurements)")
+        if round_ + 1 == args.rounds or best[1] is None:
+            break
+        fixed[best[1][0]] = best[1][1]
+        override.update(fixed)
+        base = time_plan()
+        print(f"round {round_ + 2}: --fixed {fixed_arg(fixed)}: {base:.1f} us", flush=True)
+    if args.rounds > 1:
+        print(f"table: --fixed {fixed_arg(fixed)}")
+
+
+def fixed_arg(fixed):
+    return ",".join(f"{index}:{sms}" for index, sms in sorted(fixed.items()))
 
 
 if __name__ == "__main__":
