@@ -136,7 +136,7 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     Planned for every SM, a product takes tiles small enough to fill them all, against the GEMMs
     beside it. The tables (_SM_TABLES) are by B·Nt = mt and B·Nv = mv in units of q, the rows of a
     D-wide output that holds a quarter as many 128 × 128 tiles as there are SMs (528 on the H200 at
-    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v54). Where no row holds a
+    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56). Where no row holds a
     problem, all: measured there, no single target gained beyond the drift (tf32 at B·Nv ≤ q with
     B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q), or a table lost (fp32 at B·Nv = 8192 > 8q with
     B·Nt ≤ q: +38 µs on v46's, +42 on v56's); other problems are untried."""

@@ -880,10 +880,9 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     # and dWq for two thirds; q < B·Nt ≤ 4q and B·Nv ≤ 4q, Q0 and dWo for two thirds, dX for half.
     # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q, a third
     # where B·Nv ≤ 8q; where q < B·Nt ≤ 4q and B·Nv ≤ 4q a fourth; where q < B·Nt ≤ 2q and
-    # B·Nv > 4q a fifth. tf32,
-    # where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds; else where q/2 < B·Nt ≤ q
-    # and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two thirds. The bias sums and
-    # everything else: all (0).
+    # B·Nv > 4q a fifth. tf32, where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds;
+    # else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two
+    # thirds. The bias sums and everything else: all (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     sm_targets = []
