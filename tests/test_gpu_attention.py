@@ -99,6 +99,49 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypatch):
+    # 3 × 70 video, 81 text tokens, 16 heads: 96 blocks of the streamed kernel (one query tile each),
+    # with two key parts 192. Texts of 81, 33 and 1 keys: for the last, part 0 has no key tile. O, dK
+    # and dV come out the same bits with one part or two (the same products); dQ, a sum of two parts,
+    # within rounding; both match the reference, and padded keys' dK, dV rows are 0.
+    import cupy
+    batch_size, n_video, n_text, heads, hidden = 3, 70, 81, 16, 1024
+    rng = numpy.random.default_rng(2024)
+    q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
+    kv0 = rng.standard_normal((batch_size * n_text, 2 * hidden), dtype=numpy.float32)
+    dout = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
+    bq, bk, bv = (rng.standard_normal(hidden, dtype=numpy.float32) for _ in range(3))
+    lengths = numpy.array([81, 33, 1], numpy.int32)
+    problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
+    biases = [cupy.asarray(b) for b in (bq, bk, bv)]
+    bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
+    results = {}
+    for parts in (1, 2):
+        monkeypatch.setattr(attention_bwd, "STREAMED_KV_PARTS", parts)
+        kernel = attention_bwd.AttentionBackward(problem, precision, 132)
+        assert kernel.kv_parts == parts and kernel.n_chunks == 2
+        o, dq, dkv = (cupy.full(a.shape, numpy.nan, numpy.float32) for a in (q0, q0, kv0))
+        kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
+               cupy.asarray(lengths))
+        results[parts] = [cupy.asnumpy(a) for a in (o, dq, dkv)]
+    (o1, dq1, dkv1), (o2, dq2, dkv2) = results[1], results[2]
+    assert numpy.array_equal(o1, o2) and numpy.array_equal(dkv1, dkv2)
+
+    f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
+    q, do = f64(q0, n_video) + bq, f64(dout, n_video)
+    k, v = f64(kv0[:, :hidden], n_text) + bk, f64(kv0[:, hidden:], n_text) + bv
+    ref_o = reference.attention(q, k, v, 0.125, num_heads=heads, text_lengths=lengths)
+    ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads, text_lengths=lengths)
+    dkv2 = dkv2.reshape(batch_size, n_text, 2 * hidden)
+    for sample, n_keys in enumerate(lengths):
+        assert not dkv2[sample, n_keys:].any()
+    errors = {name: float(numpy.abs(got.reshape(ref.shape) - ref).max() / numpy.abs(ref).max())
+              for name, got, ref in (("O", o2, ref_o), ("dQ one part", dq1, ref_dq), ("dQ", dq2, ref_dq),
+                                     ("dK", dkv2[..., :hidden], ref_dk), ("dV", dkv2[..., hidden:], ref_dv))}
+    assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
+
+
 O_BYTES = 2 * 64 * 1024  # the fp16 O of the problem below
 
 
