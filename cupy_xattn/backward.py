@@ -267,7 +267,7 @@ class Backward:
     @staticmethod
     def memory_bytes(problem, precision, sm_count):
         """GPU memory a Backward of this problem allocates: intermediates, fp16 copies, the
-        attention's dK/dV partials and the cuBLAS workspaces (small buffers aside)."""
+        attention's dK/dV and dQ partials and the cuBLAS workspaces (small buffers aside)."""
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
         video_tn = _weight_grads_tn(precision, mv, mt)[0]

@@ -57,6 +57,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         pytest.skip("an fp32 K0|V0 here (half_kv)")
     kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half,
                                              kv_half=kv_half)
+    _poison_partials(kernel)
     kv0_in, kv_scale = cupy.asarray(kv0), None
     if kv_half:  # [K0 | V0] · s_KV in fp16; the reference takes the rounded values
         if o_half:  # fp16 mode: s_KV = alpha / (inv_t · inv_w)
@@ -99,12 +100,23 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
 
 
+def _poison_partials(kernel):
+    """NaN in the kernel's own dK/dV and dQ partials (where it has them), which the reduction adds
+    into dkv and dq: an element the kernel leaves unwritten comes out NaN."""
+    import cupy
+    for parts in (kernel.partials, kernel.dq_partials):
+        if parts is not None:
+            parts.fill(cupy.nan)
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypatch):
     # 3 × 70 video, 81 text tokens, 16 heads: 96 blocks of the streamed kernel (one query tile each),
     # with two key parts 192. Texts of 81, 33 and 1 keys: for the last, part 0 has no key tile. O, dK
-    # and dV come out the same bits with one part or two (the same products); dQ, a sum of two parts,
-    # within rounding; both match the reference, and padded keys' dK, dV rows are 0.
+    # and dV come out the same bits with one part or two (the same products at the same scales: a
+    # part's pass 2 starts its K scale history at its first tile, which matters only where one key
+    # tile's max is ~2^30 times a later one's); dQ, a sum of two parts, within rounding; both match
+    # the reference, and padded keys' dK, dV rows are 0.
     import cupy
     batch_size, n_video, n_text, heads, hidden = 3, 70, 81, 16, 1024
     rng = numpy.random.default_rng(2024)
@@ -121,6 +133,7 @@ def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypa
         monkeypatch.setattr(attention_bwd, "STREAMED_KV_PARTS", parts)
         kernel = attention_bwd.AttentionBackward(problem, precision, 132)
         assert kernel.kv_parts == parts and kernel.n_chunks == 2
+        _poison_partials(kernel)
         o, dq, dkv = (cupy.full(a.shape, numpy.nan, numpy.float32) for a in (q0, q0, kv0))
         kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
                cupy.asarray(lengths))
@@ -228,6 +241,7 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     kernel = attention_bwd.AttentionBackward(problem, "tf32", sm_count)
+    _poison_partials(kernel)
     kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
            cupy.asarray(lengths))
 
