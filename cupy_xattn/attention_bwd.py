@@ -1,7 +1,7 @@
 """Launcher of ``kernels_cu/attention_bwd.cu``: the fused attention backward.
 
 Owns the kernel names, their compile-time knobs, the grid arithmetic and the kernel's
-workspace (the per-chunk dK/dV partials).
+workspace (the per-chunk dK/dV partials, the per-key-part dQ partials).
 """
 
 import numpy
@@ -28,6 +28,11 @@ RESIDENT_MAX_KEYS = 80
 #: the H200: 2x256x77 and 1x512x77 −4 to −6 µs; on every larger grid slower (+3 to +13 µs at two
 #: such blocks per SM, 128 registers; +4 to +118 at one). fp16 operands only.
 RESIDENT_KEY_SPLIT = 2
+#: blocks that share each query chunk of attn_bwd (ATTN_KV_PARTS), each running pass 2 over its part
+#: of the keys, where that many times the grid still fits one wave (launch_layout): the small
+#: streamed grids (2x256x211: 128 blocks of 4 warps on 132 SMs) leave most of the issue slots idle.
+#: Pass 1 runs in every part, and dQ comes out as parts to be summed.
+STREAMED_KV_PARTS = 2
 #: on sm_90 the resident kernel with fp16 operands, 64-row tiles and no key split runs its products as
 #: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync
 WGMMA = True
@@ -105,7 +110,7 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
 
 def uses_wgmma(layout, precision, compute_capability):
     """Whether a launch_layout runs on wgmma (WGMMA) on a GPU of this compute capability ("90")."""
-    name, keys, rows, *_, key_split = layout
+    name, keys, rows, *_, key_split, _ = layout
     return (WGMMA and str(compute_capability) == "90" and keys > 0 and rows == 64 and key_split == 1
             and operand_bytes(precision) == 2)
 
@@ -120,7 +125,7 @@ def half_kv(problem, precision, sm_count):
     GEMM cannot write fp16): 8x256x373 −17 to −18 µs, 4x256x293 −11, 2x256x211 ±0.4 (v49)."""
     if precision not in ("fp16", "tf32"):
         return False
-    _, keys, _, _, _, _, tiles_per_chunk, _ = launch_layout(problem, precision, sm_count)
+    _, keys, _, _, _, _, tiles_per_chunk, _, _ = launch_layout(problem, precision, sm_count)
     return keys == 0 or (precision == "fp16" and tiles_per_chunk <= KV_HALF_RESIDENT_TILES)
 
 
@@ -168,18 +173,21 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, b
 
 def launch_layout(problem, precision, sm_count):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM, n_chunks,
-    tiles_per_chunk, ATTN_KEY_SPLIT) for ``problem``. The resident kernel splits its keys
-    (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one
-    tile as one chain of dependent instructions, and two warps a row halve it."""
+    tiles_per_chunk, ATTN_KEY_SPLIT, ATTN_KV_PARTS) for ``problem``. The resident kernel splits its
+    keys (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one
+    tile as one chain of dependent instructions, and two warps a row halve it. The streamed kernel
+    gives each query chunk STREAMED_KV_PARTS blocks where that many grids fit one wave."""
     def layout(key_split):
         name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim,
                                                               key_split)
-        return (name, keys, rows, smem, blocks_per_sm,
-                *chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens, sm_count, blocks_per_sm,
-                          rows), key_split)
+        n_chunks, tiles_per_chunk = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
+                                             sm_count, blocks_per_sm, rows)
+        blocks = problem.batch_size * problem.num_heads * n_chunks
+        kv_parts = STREAMED_KV_PARTS if not keys and STREAMED_KV_PARTS * blocks <= blocks_per_sm * sm_count else 1
+        return name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split, kv_parts
 
     unsplit = layout(1)
-    _, keys, rows, _, _, n_chunks, _, _ = unsplit
+    _, keys, rows, _, _, n_chunks, _, _, _ = unsplit
     one_block_per_sm = problem.batch_size * problem.num_heads * n_chunks <= sm_count
     if keys and rows == 64 and operand_bytes(precision) == 2 and one_block_per_sm:
         return layout(RESIDENT_KEY_SPLIT)
@@ -200,8 +208,9 @@ class AttentionBackward:
         the operand of dWo in the fp16 and fp32 modes, where the fp32 mode's kernel also writes its
         fp16 remainder, at 2^11 times that scale: attention_bwd.cu's O_LO_SCALE): calls then pass
         ``o_scales`` (fp32: and ``o_lo``).
-    reduce_dkv : sum the query chunks' dK/dV partials into ``dkv``; without, the caller sums
-        :attr:`partials` (the fp16 and fp32 modes' conversion does, reading them once).
+    reduce_parts : sum the query chunks' dK/dV partials into ``dkv`` and the key parts' dQ
+        partials into ``dq``; without, the caller sums :attr:`partials` and :attr:`dq_partials`
+        (the fp16 and fp32 modes' conversion does, reading them once).
     kv_half : ``kv0`` is float16, [K0 | V0] · s_KV (ATTN_KV_HALF; where half_kv says), with s_KV =
         s_T · s_W · kv_half_alpha(D), where 1 / s_T and 1 / s_W are ``o_scales``' inv_t and inv_w
         (fp16 mode), or 1 / ``kv_scale`` (tf32 mode: a power of two, from a conversion).
@@ -209,13 +218,15 @@ class AttentionBackward:
 
     @staticmethod
     def workspace_bytes(problem, precision, sm_count):
-        """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one)."""
-        n_chunks = launch_layout(problem, precision, sm_count)[5]
-        if n_chunks == 1:
-            return 0
-        return 4 * n_chunks * problem.batch_size * problem.num_text_tokens * 2 * problem.hidden_size
+        """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one) and
+        of the dQ partials (one per key part, when there is more than one)."""
+        layout = launch_layout(problem, precision, sm_count)
+        n_chunks, kv_parts = layout[5], layout[8]
+        p = problem
+        return 4 * p.hidden_size * ((n_chunks if n_chunks > 1 else 0) * p.batch_size * p.num_text_tokens * 2
+                                    + (kv_parts if kv_parts > 1 else 0) * p.batch_size * p.num_video_tokens)
 
-    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_dkv=True,
+    def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_parts=True,
                  kv_half=False):
         check_head_dim(problem)
         if o_half and (o_transposed or precision not in ("fp16", "fp32")):
@@ -229,7 +240,8 @@ class AttentionBackward:
         self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
         self.problem = problem
         layout = launch_layout(problem, precision, sm_count)
-        (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk, split) = layout
+        (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk, split,
+         self.kv_parts) = layout
         self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
         if self.wgmma or kv_half:
             self._smem_bytes = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split, self.wgmma,
@@ -242,7 +254,8 @@ class AttentionBackward:
                    "ATTN_SPLIT3": int(precision == "fp32"), "ATTN_HALF": int(operand_bytes(precision) == 2),
                    "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
-                   "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma), "ATTN_KV_HALF": int(kv_half)}
+                   "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma), "ATTN_KV_HALF": int(kv_half),
+                   "ATTN_KV_PARTS": self.kv_parts}
         self._main = kernels.get_kernel(SOURCE, name, defines, arch)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -250,20 +263,30 @@ class AttentionBackward:
         # H200 left room for fewer blocks than the shared memory allows (also below 48 KiB, as the
         # fp16 operands' tiles are).
         self._main.preferred_shared_memory_carveout = 100
-        self._reduce = kernels.get_kernel(SOURCE, "attn_dkdv_reduce", defines, arch) if reduce_dkv else None
+        self._reduce = kernels.get_kernel(SOURCE, "attn_sum_parts", defines, arch) if reduce_parts else None
         n_text_rows = problem.batch_size * problem.num_text_tokens
+        n_video_rows = problem.batch_size * problem.num_video_tokens
         self._dkv_part = (cupy.empty((self.n_chunks, n_text_rows, 2 * problem.hidden_size), numpy.float32)
                           if self.n_chunks > 1 else None)
+        self._dq_part = (cupy.empty((self.kv_parts, n_video_rows, problem.hidden_size), numpy.float32)
+                         if self.kv_parts > 1 else None)
         # Lengths for callers that pass none (the tests, scripts); Backward passes its own buffer.
         self._all_keys = cupy.full(problem.batch_size, problem.num_text_tokens, numpy.int32)
-        n4 = n_text_rows * 2 * problem.hidden_size // 4  # float4s of dK|dV, each summed over the chunks
-        self._reduce_grid = (max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),)
+        # float4s of dK|dV (summed over the chunks) and of dQ (over the key parts), and their grids
+        self._n4 = n_text_rows * 2 * problem.hidden_size // 4, n_video_rows * problem.hidden_size // 4
+        self._reduce_grids = [(max(1, min(-(-n4 // _REDUCE_THREADS), 8 * sm_count)),) for n4 in self._n4]
 
     @property
     def partials(self):
         """The query chunks' dK/dV partials, (n_chunks, B·Nt, 2D) float32, summed over axis 0 into
-        ``dkv`` with reduce_dkv; None with one chunk (the kernel writes ``dkv`` itself)."""
+        ``dkv`` with reduce_parts; None with one chunk (the kernel writes ``dkv`` itself)."""
         return self._dkv_part
+
+    @property
+    def dq_partials(self):
+        """The key parts' dQ partials, (kv_parts, B·Nv, D) float32, summed over axis 0 into ``dq``
+        with reduce_parts; None with one part (the kernel writes ``dq`` itself)."""
+        return self._dq_part
 
     def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None, o_lo=None,
                  kv_scale=None):
@@ -279,7 +302,7 @@ class AttentionBackward:
             (D, o_t_stride(B·Nv)) array whose first B·Nv columns are written; with o_half, float16
             O · s_O) and dQ.
         dkv : (B·Nt, 2D) float32 output: dK in columns [0, D), dV in [D, 2D) (not written without
-            reduce_dkv where there are ``partials``).
+            reduce_parts where there are ``partials``; nor ``dq`` where there are ``dq_partials``).
         text_lengths : (B,) int32 device array, optional
             Text tokens each sample attends to (1..Nt); default: all of them.
         o_scales : with o_half, device addresses (float32 scalars) of inv_t, inv_w and inv_bv, where
@@ -312,15 +335,17 @@ class AttentionBackward:
         if o_lo is not None and abs(lo_offset) < o_bytes:
             raise ValueError(f"o_lo overlaps o: {lo_offset} bytes from it, within O's {o_bytes}")
         dkv_part = dkv if self._dkv_part is None else self._dkv_part
+        dq_part = dq if self._dq_part is None else self._dq_part
         self._main(
-            (self.n_chunks, p.num_heads, p.batch_size), (self._threads,),
-            (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq, dkv_part,
+            (self.n_chunks * self.kv_parts, p.num_heads, p.batch_size), (self._threads,),
+            (q0, kv0, numpy.uint64(bias_addresses), dout, o, dq_part, dkv_part,
              self._all_keys if text_lengths is None else text_lengths, numpy.int32(p.num_video_tokens),
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
             + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES)))
             + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0)),
             shared_mem=self._smem_bytes)
-        if self._dkv_part is not None and self._reduce is not None:
-            self._reduce(self._reduce_grid, (_REDUCE_THREADS,),
-                         (self._dkv_part, dkv, numpy.int64(dkv.size // 4), numpy.int32(self.n_chunks)))
+        if self._reduce is not None:
+            for parts, total, n4, grid in zip((self._dkv_part, self._dq_part), (dkv, dq), self._n4, self._reduce_grids):
+                if parts is not None:
+                    self._reduce(grid, (_REDUCE_THREADS,), (parts, total, numpy.int64(n4), numpy.int32(parts.shape[0])))

@@ -90,8 +90,14 @@ def _o_shape(precision, video_tn, mv, d):
 
 def _dkv_shape(precision, n_chunks, mt, d):
     """[dK | dV]'s float32 buffer: none where the conversion sums the attention's partials of
-    several query chunks (AttentionBackward(reduce_dkv=False))."""
+    several query chunks (AttentionBackward(reduce_parts=False))."""
     return (0,) if _half_mode(precision) and n_chunks > 1 else (mt, 2 * d)
+
+
+def _dq_shape(precision, kv_parts, mv, d):
+    """dQ's float32 buffer: none where the conversion sums the attention's partials of several
+    key parts."""
+    return (0,) if _half_mode(precision) and kv_parts > 1 else (mv, d)
 
 
 def _tf32_shapes(mv, mt, d):
@@ -224,7 +230,7 @@ class Backward:
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         kv_half = half_kv(problem, precision, sm_count)
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
-                                            o_half=_half_mode(precision), reduce_dkv=not _half_mode(precision),
+                                            o_half=_half_mode(precision), reduce_parts=not _half_mode(precision),
                                             kv_half=kv_half)
         self._q0, self._dout = f32(mv, d), f32(mv, d)
         kv0_dtype, kv0_copy = _kv0_buffers(precision, kv_half)
@@ -233,8 +239,8 @@ class Backward:
         self._kv_scaler = HalfScaler(1, sm_count) if kv0_copy else None  # the copy's one scale
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
-        # [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
-        self._dq = f32(mv, d)
+        # dQ and [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
+        self._dq = f32(*_dq_shape(precision, self._attention.kv_parts, mv, d))
         self._dkv = f32(*_dkv_shape(precision, self._attention.n_chunks, mt, d))
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
@@ -261,14 +267,16 @@ class Backward:
     @staticmethod
     def memory_bytes(problem, precision, sm_count):
         """GPU memory a Backward of this problem allocates: intermediates, fp16 copies, the
-        attention's dK/dV partials and the cuBLAS workspaces (small buffers aside)."""
+        attention's dK/dV and dQ partials and the cuBLAS workspaces (small buffers aside)."""
         b, nv, nt, d = problem.batch_size, problem.num_video_tokens, problem.num_text_tokens, problem.hidden_size
         mv, mt = b * nv, b * nt
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        n_chunks = launch_layout(problem, precision, sm_count)[5]
-        fp32 = 4 * (3 * mv * d + math.prod(_o_shape(precision, video_tn, mv, d))
+        layout = launch_layout(problem, precision, sm_count)
+        n_chunks, kv_parts = layout[5], layout[8]
+        fp32 = 4 * (2 * mv * d + math.prod(_dq_shape(precision, kv_parts, mv, d))
+                    + math.prod(_o_shape(precision, video_tn, mv, d))
                     + math.prod(_dkv_shape(precision, n_chunks, mt, d))
-                    + max(mv, mt))  # Q0, dO, dQ, O (or O^T); [dK|dV]; ones
+                    + max(mv, mt))  # Q0, dO; dQ; O (or O^T); [dK|dV]; ones
         kv0_dtype, kv0_copy = _kv0_buffers(precision, half_kv(problem, precision, sm_count))
         fp32 += (numpy.dtype(kv0_dtype).itemsize + 2 * kv0_copy) * mt * 2 * d  # [K0|V0] and its fp16 copy
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
@@ -342,12 +350,15 @@ class Backward:
         stage_a = [("video_latents", X, _X), ("text_embeddings", T, _T), ("query_weight", WQ, _WQ),
                    ("key_weight", WK, _WKV), ("value_weight", WV, _WKV), ("output_weight", WO, _WO),
                    ("grad_output", DY, _DY), ("value_bias", BV, _BV)]
-        # The attention writes O's copy itself (fp32: and its remainder), so the second group is dQ and dK|dV.
-        # [dK | dV]: the sum of the attention's partials, one per query chunk, where it has several.
-        partials = self._attention.partials
-        dkv = (addr(self._dkv), DK, _DKV) if partials is None else (addr(partials), DK, _DKV, partials.shape[0],
-                                                                    partials.size // partials.shape[0])
-        stage_b = [(addr(self._dq), DQ, _DQ), dkv]
+        # The attention writes O's copy itself (fp32: and its remainder), so the second group is dQ and dK|dV:
+        # the sums of the attention's partials (dQ's by key part, [dK | dV]'s by query chunk) where it has several.
+        def summed(array, partials, dest, slot):
+            if partials is None:
+                return addr(array), dest, slot
+            return addr(partials), dest, slot, partials.shape[0], partials.size // partials.shape[0]
+
+        stage_b = [summed(self._dq, self._attention.dq_partials, DQ, _DQ),
+                   summed(self._dkv, self._attention.partials, DK, _DKV)]
         shapes_a, shapes_b = _conversion_shapes(mv, mt, d)
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
         gemm, alpha = self._gemm, self._scaler.alpha

@@ -17,20 +17,27 @@
 //                     (o_half_scale), the operand of the fp16 and fp32 modes' dWo GEMMs (fp32, the
 //                     3xTF32 build: with its fp16 remainder at o + o_lo_offset, at O_LO_SCALE
 //                     times O's scale, see store_o)
-//   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_dkdv_reduce,
+//   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_sum_parts,
 //                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
+//   dq with ATTN_KV_PARTS = 2: [2, B·Nv, D], the parts of dQ over the two halves of the keys
+//                     (summed the same ways)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each; bk unread, below)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
 //                     dK and dV rows come out 0 (every row of dkv_part is still written). Their K
 //                     and V rows are not read (loaded as zeros: they cannot set an operand scale or
 //                     bring an Inf in); the streamed kernel skips key tiles wholly past them
 //
-// Grid (n_chunks, H, B), ATTN_THREADS threads. Block (c, h, b) owns query tiles
-// [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns 16 rows.
-// Pass 1 streams key/value tiles with an online softmax to get each row's log-sum-exp, O and D.
-// Pass 2 streams them again: exact P, dP, dS; dQ accumulates in registers, the tile's dK and dV
-// are finished by the block (over its query rows) and added into its own slice of dkv_part —
+// Grid (n_chunks · ATTN_KV_PARTS, H, B), ATTN_THREADS threads. Block (c · ATTN_KV_PARTS + part, h, b)
+// owns query tiles [c·tiles_per_chunk, (c+1)·tiles_per_chunk) of ATTN_BLOCK_Q rows; each warp owns
+// 16 rows. Pass 1 streams key/value tiles with an online softmax to get each row's log-sum-exp, O
+// and D. Pass 2 streams them again: exact P, dP, dS; dQ accumulates in registers, the tile's dK and
+// dV are finished by the block (over its query rows) and added into its own slice of dkv_part —
 // plain stores, no atomics, so results are deterministic.
+// ATTN_KV_PARTS = 2 (the streamed kernel, where its grid is under a wave): two blocks share each
+// query chunk. Both run pass 1 over all keys (the row statistics need them all; the same
+// products, so the same results); part 0 alone forms and writes O, and each runs pass 2 over its
+// half of the key tiles, writing its keys' rows of dK and dV and its part of dQ. A block's chain
+// drops from 8 products a key tile to 3 + 5/2 (part 0) or 2 + 5/2, and the SMs get twice the warps.
 //
 // The products, the knobs (ATTN_BLOCK_Q, ATTN_BLOCK_KV, ATTN_HEAD_DIM, ATTN_SPLIT3) and the tile
 // helpers are in attention_common.cuh.
@@ -63,6 +70,12 @@
 #ifndef ATTN_KEYS
 #define ATTN_KEYS 0
 #endif
+// Blocks that share a query chunk, each with its part of the keys in pass 2 (the streamed kernel;
+// see the grid above).
+#ifndef ATTN_KV_PARTS
+#define ATTN_KV_PARTS 1
+#endif
+static_assert(ATTN_KV_PARTS == 1 || (ATTN_KV_PARTS == 2 && !ATTN_KEYS), "key parts: the streamed kernel, two");
 
 // Unrolling of the k loops of the warp products. The resident kernel (ATTN_KEYS > 0) keeps dK/dV
 // accumulators for all its keys: with these loops fully unrolled, the compiler hoisted the
@@ -237,8 +250,8 @@ __device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4],
     if (ATTN_HALF) dv_product();
 }
 
-// The operands of block (chunk, head, batch): column offsets of its head, row offsets of its
-// batch, and its own slice of the dK/dV partials.
+// The operands of block (chunk · ATTN_KV_PARTS + part, head, batch): column offsets of its head,
+// row offsets of its batch, its own slice of the dK/dV partials and its part of dQ.
 struct HeadSlices {
     const float *q, *dout;
     const kv_t *k, *v;
@@ -249,14 +262,15 @@ struct HeadSlices {
 __device__ __forceinline__ HeadSlices head_slices(const float* q0, const kv_t* kv0, const float* dout, o_t* o,
                                                   float* dq, float* dkv_part, int n_video, int n_text, int hidden,
                                                   int ld_o) {
-    const int chunk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int chunk = blockIdx.x / ATTN_KV_PARTS, part = blockIdx.x % ATTN_KV_PARTS;
+    const int head = blockIdx.y, batch = blockIdx.z;
     const long long ld_kv = 2LL * hidden, col = head * ATTN_HEAD_DIM;
     const long long video = (long long)batch * n_video * hidden + col;
     HeadSlices h;
     h.q = q0 + video;
     h.dout = dout + video;
     h.o = ATTN_O_TRANSPOSED ? o + col * ld_o + (long long)batch * n_video : o + video;
-    h.dq = dq + video;
+    h.dq = dq + part * (long long)gridDim.z * n_video * hidden + video;
     h.k = kv0 + (long long)batch * n_text * ld_kv + col;
     h.v = h.k + hidden;
     h.dk = dkv_part + ((long long)chunk * gridDim.z * n_text + (long long)batch * n_text) * ld_kv + col;
@@ -419,13 +433,19 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     const long long ld_kv = 2LL * hidden;
 
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
-    const int tile_begin = blockIdx.x * tiles_per_chunk;
+    const int part = blockIdx.x % ATTN_KV_PARTS;  // of the keys, in pass 2
+    const int tile_begin = blockIdx.x / ATTN_KV_PARTS * tiles_per_chunk;
     const int tile_end = min(tile_begin + tiles_per_chunk, n_q_tiles);
 
     // Key tiles wholly past n_keys (padding) add nothing: they are skipped, and their rows of this
-    // chunk's dK and dV are written as zeros here, once.
+    // chunk's dK and dV are written as zeros here, once (by part 0).
     const int kv_end = min(n_text, (n_keys + ATTN_BLOCK_KV - 1) / ATTN_BLOCK_KV * ATTN_BLOCK_KV);
-    for (int i = threadIdx.x; i < (n_text - kv_end) * (ATTN_HEAD_DIM / 2); i += ATTN_THREADS) {
+    // Pass 2's keys [kv2_begin, kv2_end): this part's share of the key tiles, the smaller for part 0
+    // (pass 1's O is its alone). With padding a part can have none.
+    const int kv_tiles = (kv_end + ATTN_BLOCK_KV - 1) / ATTN_BLOCK_KV;
+    const int kv2_begin = kv_tiles * part / ATTN_KV_PARTS * ATTN_BLOCK_KV;
+    const int kv2_end = ATTN_KV_PARTS == 1 ? kv_end : min(kv_end, kv_tiles * (part + 1) / ATTN_KV_PARTS * ATTN_BLOCK_KV);
+    for (int i = threadIdx.x; part == 0 && i < (n_text - kv_end) * (ATTN_HEAD_DIM / 2); i += ATTN_THREADS) {
         const long long at = (long long)(kv_end + i / (ATTN_HEAD_DIM / 2)) * ld_kv + (i % (ATTN_HEAD_DIM / 2)) * 2;
         *reinterpret_cast<float2*>(hs.dk + at) = make_float2(0.f, 0.f);
         *reinterpret_cast<float2*>(hs.dv + at) = make_float2(0.f, 0.f);
@@ -503,9 +523,12 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         zero<NT_HD>(o_acc);
         RunScale v_run;
 
+        // After pass 2 (if any), the next query tile's pass 1 from key 0, if any.
+        const int next_pass = qt + 1 < tile_end ? 0 : -1;
+        const int pass2_first = ATTN_KV_PARTS == 1 || kv2_begin < kv2_end ? kv2_begin : next_pass;
         for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
             RunScale k_scale;
-            load_kv(kv0, kv0 + ATTN_BLOCK_KV < kv_end ? kv0 + ATTN_BLOCK_KV : 0, k_scale, v_run);  // pass 2 follows
+            load_kv(kv0, kv0 + ATTN_BLOCK_KV < kv_end ? kv0 + ATTN_BLOCK_KV : pass2_first, k_scale, v_run);
             float s[NT_KV][4], dp[NT_KV][4];
             score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_scale.s), g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
@@ -527,12 +550,14 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
                 l_run[h] = l_run[h] * corr[h] + sum;
                 d_run[h] = d_run[h] * corr[h] + dot;
             }
-            const float o_corr[2] = {corr[0] * v_run.ratio, corr[1] * v_run.ratio};
-            scale_rows<NT_HD>(o_acc, o_corr);
-            store_acc<NT_KV>(p_s, LD_KV, r0, s, P_SCALE, g, t);
-            __syncwarp();
-            rows_times_add<ATTN_BLOCK_KV>(o_acc, p_s, LD_KV, v_s, r0, g, t);  // O += P V
-            __syncwarp();
+            if (part == 0) {
+                const float o_corr[2] = {corr[0] * v_run.ratio, corr[1] * v_run.ratio};
+                scale_rows<NT_HD>(o_acc, o_corr);
+                store_acc<NT_KV>(p_s, LD_KV, r0, s, P_SCALE, g, t);
+                __syncwarp();
+                rows_times_add<ATTN_BLOCK_KV>(o_acc, p_s, LD_KV, v_s, r0, g, t);  // O += P V
+                __syncwarp();
+            }
         }
 
         if (ATTN_KV_HALF) publish_max(red[2], dp_max);  // read in pass 2, after load_kv's barrier
@@ -550,10 +575,12 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
                 o_acc[n][2 * h + 1] *= inv_l;
             }
         }
-        unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
-        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv: V's tiles come without bv
-        store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv),
-                o_lo_offset);
+        if (part == 0) {
+            unscale<NT_HD>(o_acc, P_SCALE, v_run.s);
+            add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv: V's tiles come without bv
+            store_o(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv),
+                    o_lo_offset);
+        }
 
         // ---- pass 2: exact P, dP, dS; dQ in registers; dK, dV per key tile ----
         float dq_acc[NT_HD][4];  // at the scale ds_run.s·k_run.s of the latest tile's operands
@@ -561,9 +588,9 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         RunScale k_run, ds_run;
         const bool accumulate = qt != tile_begin;
 
-        for (int kv0 = 0; kv0 < kv_end; kv0 += ATTN_BLOCK_KV) {
+        for (int kv0 = kv2_begin; kv0 < kv2_end; kv0 += ATTN_BLOCK_KV) {
             RunScale v_scale;
-            const int next_kv0 = kv0 + ATTN_BLOCK_KV < kv_end ? kv0 + ATTN_BLOCK_KV : qt + 1 < tile_end ? 0 : -1;
+            const int next_kv0 = kv0 + ATTN_BLOCK_KV < kv2_end ? kv0 + ATTN_BLOCK_KV : next_pass;
             load_kv(kv0, next_kv0, k_run, v_scale);
             float p[NT_KV][4];
             score_tile<NT_KV>(p, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_run.s), g, t);
@@ -879,17 +906,18 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
 }
 #endif
 
-// dkv[i] = Σ_c dkv_part[c][i], summed in chunk order (deterministic). n4 = element count / 4.
-extern "C" __global__ void attn_dkdv_reduce(const float4* __restrict__ dkv_part, float4* __restrict__ dkv,
-                                            long long n4, int n_chunks) {
+// sum[i] = Σ_c parts[c][i], summed in part order (deterministic): the query chunks' dK/dV, the key
+// parts' dQ. n4 = element count / 4.
+extern "C" __global__ void attn_sum_parts(const float4* __restrict__ parts, float4* __restrict__ sum, long long n4,
+                                          int n_parts) {
     wait_for_inputs();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
-        float4 acc = dkv_part[i];
-        for (int c = 1; c < n_chunks; ++c) {
-            const float4 v = dkv_part[c * n4 + i];
+        float4 acc = parts[i];
+        for (int c = 1; c < n_parts; ++c) {
+            const float4 v = parts[c * n4 + i];
             acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
         }
-        dkv[i] = acc;
+        sum[i] = acc;
     }
 }

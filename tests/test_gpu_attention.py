@@ -57,6 +57,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         pytest.skip("an fp32 K0|V0 here (half_kv)")
     kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half,
                                              kv_half=kv_half)
+    _poison_partials(kernel)
     kv0_in, kv_scale = cupy.asarray(kv0), None
     if kv_half:  # [K0 | V0] · s_KV in fp16; the reference takes the rounded values
         if o_half:  # fp16 mode: s_KV = alpha / (inv_t · inv_w)
@@ -96,6 +97,61 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     for name, (got, ref) in pairs.items():
         size = max(numpy.abs(ref).max(), 1e-9 * scale_dq) if n_text > 1 else scale_dq
         errors[name] = float(numpy.abs(got.reshape(ref.shape) - ref).max() / size)
+    assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
+
+
+def _poison_partials(kernel):
+    """NaN in the kernel's own dK/dV and dQ partials (where it has them), which the reduction adds
+    into dkv and dq: an element the kernel leaves unwritten comes out NaN."""
+    import cupy
+    for parts in (kernel.partials, kernel.dq_partials):
+        if parts is not None:
+            parts.fill(cupy.nan)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypatch):
+    # 3 × 70 video, 81 text tokens, 16 heads: 96 blocks of the streamed kernel (one query tile each),
+    # with two key parts 192. Texts of 81, 33 and 1 keys: for the last, part 0 has no key tile. O, dK
+    # and dV come out the same bits with one part or two (the same products at the same scales: a
+    # part's pass 2 starts its K scale history at its first tile, which matters only where one key
+    # tile's max is ~2^30 times a later one's); dQ, a sum of two parts, within rounding; both match
+    # the reference, and padded keys' dK, dV rows are 0.
+    import cupy
+    batch_size, n_video, n_text, heads, hidden = 3, 70, 81, 16, 1024
+    rng = numpy.random.default_rng(2024)
+    q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
+    kv0 = rng.standard_normal((batch_size * n_text, 2 * hidden), dtype=numpy.float32)
+    dout = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
+    bq, bk, bv = (rng.standard_normal(hidden, dtype=numpy.float32) for _ in range(3))
+    lengths = numpy.array([81, 33, 1], numpy.int32)
+    problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
+    biases = [cupy.asarray(b) for b in (bq, bk, bv)]
+    bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
+    results = {}
+    for parts in (1, 2):
+        monkeypatch.setattr(attention_bwd, "STREAMED_KV_PARTS", parts)
+        kernel = attention_bwd.AttentionBackward(problem, precision, 132)
+        assert kernel.kv_parts == parts and kernel.n_chunks == 2
+        _poison_partials(kernel)
+        o, dq, dkv = (cupy.full(a.shape, numpy.nan, numpy.float32) for a in (q0, q0, kv0))
+        kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
+               cupy.asarray(lengths))
+        results[parts] = [cupy.asnumpy(a) for a in (o, dq, dkv)]
+    (o1, dq1, dkv1), (o2, dq2, dkv2) = results[1], results[2]
+    assert numpy.array_equal(o1, o2) and numpy.array_equal(dkv1, dkv2)
+
+    f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
+    q, do = f64(q0, n_video) + bq, f64(dout, n_video)
+    k, v = f64(kv0[:, :hidden], n_text) + bk, f64(kv0[:, hidden:], n_text) + bv
+    ref_o = reference.attention(q, k, v, 0.125, num_heads=heads, text_lengths=lengths)
+    ref_dq, ref_dk, ref_dv = reference.attention_backward(do, q, k, v, 0.125, num_heads=heads, text_lengths=lengths)
+    dkv2 = dkv2.reshape(batch_size, n_text, 2 * hidden)
+    for sample, n_keys in enumerate(lengths):
+        assert not dkv2[sample, n_keys:].any()
+    errors = {name: float(numpy.abs(got.reshape(ref.shape) - ref).max() / numpy.abs(ref).max())
+              for name, got, ref in (("O", o2, ref_o), ("dQ one part", dq1, ref_dq), ("dQ", dq2, ref_dq),
+                                     ("dK", dkv2[..., :hidden], ref_dk), ("dV", dkv2[..., hidden:], ref_dv))}
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
 
 
@@ -185,6 +241,7 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     kernel = attention_bwd.AttentionBackward(problem, "tf32", sm_count)
+    _poison_partials(kernel)
     kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
            cupy.asarray(lengths))
 

@@ -50,13 +50,22 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_KEYS": 96,
                                       "ATTN_KEY_SPLIT": 2, "ATTN_RESIDENT_MIN_BLOCKS": 1},
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1}, {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_KEYS": 80},
-                                     {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_HEAD_DIM": 128}])
+                                     {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_HEAD_DIM": 128},
+                                     {"ATTN_KV_PARTS": 2, "ATTN_SPLIT3": 1, "ATTN_O_HALF": 1},  # key parts, streamed
+                                     {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
+                                     {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_O_TRANSPOSED": 1},
+                                     {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_HEAD_DIM": 128}])
 def test_attention_kernel_variants_compile(defines, arch):
     # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
     cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)
     assert cubin[:4] == b"\x7fELF"
     resident = "ATTN_KEYS" in defines  # one program per build: the resident kernel or the streamed one
     assert (b"attn_bwd_resident" in cubin) == resident and (b"\x00attn_bwd\x00" in cubin) != resident
+
+
+def test_key_parts_are_the_streamed_kernels_alone():
+    with pytest.raises(kernels.CompileError, match="key parts"):
+        kernels.compile_cubin("attention_bwd.cu", "sm_90", {"ATTN_KEYS": 80, "ATTN_KV_PARTS": 2})
 
 
 @pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 48, "ATTN_O_TRANSPOSED": 1},

@@ -1131,12 +1131,55 @@ def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidde
     from cupy_xattn import attention_bwd
     from cupy_xattn.checks import Problem
     problem = Problem(*shape, hidden, heads, 64, 0.125)
-    name, keys, rows, smem, blocks, n_chunks, tiles, got = attention_bwd.launch_layout(problem, precision, 132)
-    assert got == split
+    name, keys, rows, smem, blocks, n_chunks, tiles, got, kv_parts = attention_bwd.launch_layout(problem, precision,
+                                                                                              132)
+    assert got == split and (kv_parts == 1 or not keys)
     if split > 1:  # keys padded to whole 16-key tiles per warp, one block of 8 warps per SM
         assert keys % 32 == 0 and shape[2] <= keys < shape[2] + 32 and blocks == 1
         assert shape[0] * heads * n_chunks <= 132 and tiles == 1
         assert (name, keys, rows, smem, blocks) == attention_bwd.kernel_choice(shape[2], precision, 64, split)
+
+
+@pytest.mark.parametrize("shape, precision, kv_parts", [
+    ((2, 256, 211), "tf32", 2), ((2, 256, 211), "fp16", 2),  # 128 blocks, 3 an SM: 256 of 396 slots
+    ((2, 256, 211), "fp32", 2),  # 2 an SM: 256 of 264
+    ((4, 256, 293), "tf32", 1), ((4, 256, 293), "fp16", 1),  # 256 blocks (64-key tiles, 2 an SM): 512 > 264
+    ((8, 256, 373), "fp32", 1), ((1, 100, 512), "fp16", 2), ((2, 256, 77), "tf32", 1)])  # resident: none
+def test_the_streamed_kernel_splits_its_keys_where_twice_its_grid_fits_a_wave(shape, precision, kv_parts):
+    from cupy_xattn import attention_bwd
+    from cupy_xattn.checks import Problem
+    layout = attention_bwd.launch_layout(Problem(*shape, 1024, 16, 64, 0.125), precision, 132)
+    name, keys, rows, smem, blocks_per_sm, n_chunks, tiles, key_split, got = layout
+    assert got == kv_parts
+    if not keys:
+        assert (2 * shape[0] * 16 * n_chunks <= 132 * blocks_per_sm) == (kv_parts == 2)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
+def test_streamed_key_parts_leave_dq_in_parts_summed_once(gpu, monkeypatch, precision):
+    # B, Nv, Nt, D = 2, 70, 81, 128: 8 blocks of the streamed kernel, each query chunk two. tf32 sums
+    # dQ's parts into dQ with the reduction kernel; the half modes' conversion sums them as it reads
+    # them, and there is no fp32 dQ.
+    from cupy_xattn import backward
+    from cupy_xattn.checks import Problem
+    program = backward.Backward(Problem(2, 70, 81, 128, 2, 64, 0.125), precision, gpu.null, 132)
+    entries, _ = _lane_run(gpu, program)
+    attention = program._attention
+    parts = attention.dq_partials
+    assert attention.kv_parts == 2 and attention._main.defines["ATTN_KV_PARTS"] == 2 and parts.shape == (2, 140, 128)
+    (attn_args,), sums = ([e[3] for e in entries if e[:2] == ("kernel", name)] for name in ("attn_bwd", "attn_sum_parts"))
+    assert attn_args[5] is parts  # the kernel's dq
+    dq_sums = [args for args in sums if args[0] is parts]
+    if precision == "tf32":
+        (args,) = dq_sums
+        assert args[1] is program._dq and (int(args[2]), int(args[3])) == (140 * 128 // 4, 2)
+        return
+    assert dq_sums == [] and program._dq.size == 0
+    stage_b = program._scaler._groups[1].values
+    n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
+    assert stage_b[5 * n] == 2 and stage_b[6 * n] == 140 * 128 // 4  # dQ's entry: two parts, 140 · 128 apart
+    copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]
+    assert _table_entries(program, int(copies[1][0]), n)[0] == parts.data.ptr
 
 
 @pytest.mark.parametrize("pairs, n_video, blocks_per_sm, expected", [
