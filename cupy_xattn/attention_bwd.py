@@ -28,11 +28,15 @@ RESIDENT_MAX_KEYS = 80
 #: the H200: 2x256x77 and 1x512x77 −4 to −6 µs; on every larger grid slower (+3 to +13 µs at two
 #: such blocks per SM, 128 registers; +4 to +118 at one). fp16 operands only.
 RESIDENT_KEY_SPLIT = 2
-#: blocks that share each query chunk of attn_bwd (ATTN_KV_PARTS), each running pass 2 over its part
-#: of the keys, where that many times the grid still fits one wave (launch_layout): the small
-#: streamed grids (2x256x211: 128 blocks of 4 warps on 132 SMs) leave most of the issue slots idle.
-#: Pass 1 runs in every part, and dQ comes out as parts to be summed.
-STREAMED_KV_PARTS = 2
+#: the most blocks that share each query chunk of attn_bwd (ATTN_KV_PARTS), each running pass 2 over
+#: its part of the keys (key_parts): the small streamed grids (2x256x211: 128 blocks of 4 warps on
+#: 132 SMs; 1x100x512: 32) leave most of the issue slots idle. Pass 1 runs in every part, and dQ
+#: comes out as parts to be summed.
+STREAMED_KV_PARTS = 8
+#: blocks per SM the key parts may fill: measured on the H200 (perf-notes v57, v58), parts that made
+#: a third block on an SM lost (2x256x211 fp16 and tf32, two parts → three: +2 µs), those up to two
+#: gained (1x100x512, 32 blocks → eight parts: −8 to −15 µs)
+KEY_PARTS_BLOCKS_PER_SM = 2
 #: on sm_90 the resident kernel with fp16 operands, 64-row tiles and no key split runs its products as
 #: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync
 WGMMA = True
@@ -171,19 +175,29 @@ def chunking(batch_size, num_heads, num_video_tokens, sm_count, blocks_per_sm, b
     return chunks(tiles_per_chunk), tiles_per_chunk
 
 
+def key_parts(blocks, slots, key_tiles):
+    """ATTN_KV_PARTS of a streamed grid of ``blocks`` with ``key_tiles`` key tiles, where ``slots``
+    blocks run at once: the most, up to STREAMED_KV_PARTS and key_tiles, whose multiple of the grid
+    fits those slots."""
+    return max(1, min(STREAMED_KV_PARTS, key_tiles, slots // blocks))
+
+
 def launch_layout(problem, precision, sm_count):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM, n_chunks,
     tiles_per_chunk, ATTN_KEY_SPLIT, ATTN_KV_PARTS) for ``problem``. The resident kernel splits its
     keys (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one
     tile as one chain of dependent instructions, and two warps a row halve it. The streamed kernel
-    gives each query chunk STREAMED_KV_PARTS blocks where that many grids fit one wave."""
+    gives each query chunk up to STREAMED_KV_PARTS blocks (key_parts)."""
     def layout(key_split):
         name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim,
                                                               key_split)
         n_chunks, tiles_per_chunk = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
                                              sm_count, blocks_per_sm, rows)
         blocks = problem.batch_size * problem.num_heads * n_chunks
-        kv_parts = STREAMED_KV_PARTS if not keys and STREAMED_KV_PARTS * blocks <= blocks_per_sm * sm_count else 1
+        slots = min(blocks_per_sm, KEY_PARTS_BLOCKS_PER_SM) * sm_count
+        kv_parts = 1 if keys else key_parts(blocks, slots,
+                                            -(-problem.num_text_tokens // streamed_block_kv(
+                                                problem.num_text_tokens, precision, problem.head_dim)))
         return name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split, kv_parts
 
     unsplit = layout(1)

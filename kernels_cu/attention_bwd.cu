@@ -19,7 +19,7 @@
 //                     times O's scale, see store_o)
 //   dkv_part        : [n_chunks, B·Nt, 2D] (dK | dV of each query chunk; summed by attn_sum_parts,
 //                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
-//   dq with ATTN_KV_PARTS = 2: [2, B·Nv, D], the parts of dQ over the two halves of the keys
+//   dq with ATTN_KV_PARTS > 1: [ATTN_KV_PARTS, B·Nv, D], the parts of dQ over the parts of the keys
 //                     (summed the same ways)
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each; bk unread, below)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
@@ -33,11 +33,12 @@
 // and D. Pass 2 streams them again: exact P, dP, dS; dQ accumulates in registers, the tile's dK and
 // dV are finished by the block (over its query rows) and added into its own slice of dkv_part —
 // plain stores, no atomics, so results are deterministic.
-// ATTN_KV_PARTS = 2 (the streamed kernel, where its grid is under a wave): two blocks share each
-// query chunk. Both run pass 1 over all keys (the row statistics need them all; the same
+// ATTN_KV_PARTS > 1 (the streamed kernel, where its grid is under a wave): that many blocks share
+// each query chunk. All run pass 1 over all keys (the row statistics need them all; the same
 // products, so the same results); part 0 alone forms and writes O, and each runs pass 2 over its
-// half of the key tiles, writing its keys' rows of dK and dV and its part of dQ. A block's chain
-// drops from 8 products a key tile to 3 + 5/2 (part 0) or 2 + 5/2, and the SMs get twice the warps.
+// share of the key tiles (pass2_tile), writing its keys' rows of dK and dV and its part of dQ. With
+// two parts a block's chain drops from 8 products a key tile to about 3 + 5/2, and the SMs get
+// twice the warps.
 //
 // The products, the knobs (ATTN_BLOCK_Q, ATTN_BLOCK_KV, ATTN_HEAD_DIM, ATTN_SPLIT3) and the tile
 // helpers are in attention_common.cuh.
@@ -75,7 +76,7 @@
 #ifndef ATTN_KV_PARTS
 #define ATTN_KV_PARTS 1
 #endif
-static_assert(ATTN_KV_PARTS == 1 || (ATTN_KV_PARTS == 2 && !ATTN_KEYS), "key parts: the streamed kernel, two");
+static_assert(ATTN_KV_PARTS == 1 || (ATTN_KV_PARTS > 1 && !ATTN_KEYS), "key parts: the streamed kernel's");
 
 // Unrolling of the k loops of the warp products. The resident kernel (ATTN_KEYS > 0) keeps dK/dV
 // accumulators for all its keys: with these loops fully unrolled, the compiler hoisted the
@@ -248,6 +249,17 @@ __device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4],
     fence_operands();
     __syncthreads();  // all rows of dS (and of P) are in shared memory
     if (ATTN_HALF) dv_product();
+}
+
+// The first key tile of pass 2 in key part ``part`` (ATTN_KV_PARTS: kv_tiles). A part's chain is
+// about 2 products a key tile in pass 1 (S, dP) and 5 a tile of its own in pass 2; part 0 also
+// forms O in pass 1 (one more a tile), so it takes s0 ≈ kv_tiles·(6 − P) / (5P) tiles (rounded;
+// none from P = 6 on) and the other parts share the rest evenly, which evens the chains.
+__device__ __forceinline__ int pass2_tile(int part, int kv_tiles) {
+    constexpr int P = ATTN_KV_PARTS;
+    if (P == 1) return part * kv_tiles;
+    const int s0 = max(0, (2 * kv_tiles * (6 - P) + 5 * P) / (10 * P));
+    return part == 0 ? 0 : s0 + (kv_tiles - s0) * (part - 1) / (P - 1);
 }
 
 // The operands of block (chunk · ATTN_KV_PARTS + part, head, batch): column offsets of its head,
@@ -440,11 +452,10 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     // Key tiles wholly past n_keys (padding) add nothing: they are skipped, and their rows of this
     // chunk's dK and dV are written as zeros here, once (by part 0).
     const int kv_end = min(n_text, (n_keys + ATTN_BLOCK_KV - 1) / ATTN_BLOCK_KV * ATTN_BLOCK_KV);
-    // Pass 2's keys [kv2_begin, kv2_end): this part's share of the key tiles, the smaller for part 0
-    // (pass 1's O is its alone). With padding a part can have none.
+    // Pass 2's keys [kv2_begin, kv2_end): this part's share of the key tiles. A part can have none.
     const int kv_tiles = (kv_end + ATTN_BLOCK_KV - 1) / ATTN_BLOCK_KV;
-    const int kv2_begin = kv_tiles * part / ATTN_KV_PARTS * ATTN_BLOCK_KV;
-    const int kv2_end = ATTN_KV_PARTS == 1 ? kv_end : min(kv_end, kv_tiles * (part + 1) / ATTN_KV_PARTS * ATTN_BLOCK_KV);
+    const int kv2_begin = pass2_tile(part, kv_tiles) * ATTN_BLOCK_KV;
+    const int kv2_end = min(kv_end, pass2_tile(part + 1, kv_tiles) * ATTN_BLOCK_KV);
     for (int i = threadIdx.x; part == 0 && i < (n_text - kv_end) * (ATTN_HEAD_DIM / 2); i += ATTN_THREADS) {
         const long long at = (long long)(kv_end + i / (ATTN_HEAD_DIM / 2)) * ld_kv + (i % (ATTN_HEAD_DIM / 2)) * 2;
         *reinterpret_cast<float2*>(hs.dk + at) = make_float2(0.f, 0.f);

@@ -111,25 +111,26 @@ def _poison_partials(kernel):
 
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypatch):
-    # 3 × 70 video, 81 text tokens, 16 heads: 96 blocks of the streamed kernel (one query tile each),
-    # with two key parts 192. Texts of 81, 33 and 1 keys: for the last, part 0 has no key tile. O, dK
-    # and dV come out the same bits with one part or two (the same products at the same scales: a
-    # part's pass 2 starts its K scale history at its first tile, which matters only where one key
-    # tile's max is ~2^30 times a later one's); dQ, a sum of two parts, within rounding; both match
-    # the reference, and padded keys' dK, dV rows are 0.
+    # 3 × 70 video, 145 text tokens (5 key tiles), 8 heads: 48 blocks of the streamed kernel (one
+    # query tile each), with two key parts 96, with five 240. Texts of 145, 33 and 1 keys: with five
+    # parts part 0 has no key tile of pass 2 (pass2_tile), nor parts 1 and 3 for the second sample;
+    # with two, part 0 none for the last. O, dK and dV come out the same bits with one part or more
+    # (the same products at the same scales: a part's pass 2 starts its K scale history at its first
+    # tile, which matters only where one key tile's max is ~2^30 times a later one's); dQ, a sum of
+    # parts, within rounding; all match the reference, and padded keys' dK, dV rows are 0.
     import cupy
-    batch_size, n_video, n_text, heads, hidden = 3, 70, 81, 16, 1024
+    batch_size, n_video, n_text, heads, hidden = 3, 70, 145, 8, 512
     rng = numpy.random.default_rng(2024)
     q0 = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
     kv0 = rng.standard_normal((batch_size * n_text, 2 * hidden), dtype=numpy.float32)
     dout = rng.standard_normal((batch_size * n_video, hidden), dtype=numpy.float32)
     bq, bk, bv = (rng.standard_normal(hidden, dtype=numpy.float32) for _ in range(3))
-    lengths = numpy.array([81, 33, 1], numpy.int32)
+    lengths = numpy.array([145, 33, 1], numpy.int32)
     problem = Problem(batch_size, n_video, n_text, hidden, heads, 64, 0.125)
     biases = [cupy.asarray(b) for b in (bq, bk, bv)]
     bias_table = cupy.array([b.data.ptr for b in biases], numpy.uint64)
     results = {}
-    for parts in (1, 2):
+    for parts in (1, 2, 5):
         monkeypatch.setattr(attention_bwd, "STREAMED_KV_PARTS", parts)
         kernel = attention_bwd.AttentionBackward(problem, precision, 132)
         assert kernel.kv_parts == parts and kernel.n_chunks == 2
@@ -138,8 +139,8 @@ def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypa
         kernel(cupy.asarray(q0), cupy.asarray(kv0), bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
                cupy.asarray(lengths))
         results[parts] = [cupy.asnumpy(a) for a in (o, dq, dkv)]
-    (o1, dq1, dkv1), (o2, dq2, dkv2) = results[1], results[2]
-    assert numpy.array_equal(o1, o2) and numpy.array_equal(dkv1, dkv2)
+    (o1, dq1, dkv1), (o2, dq2, dkv2), (o5, dq5, dkv5) = results[1], results[2], results[5]
+    assert all(numpy.array_equal(o1, o) and numpy.array_equal(dkv1, dkv) for o, dkv in ((o2, dkv2), (o5, dkv5)))
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q, do = f64(q0, n_video) + bq, f64(dout, n_video)
@@ -151,6 +152,7 @@ def test_streamed_key_parts_match_one_part_and_the_reference(precision, monkeypa
         assert not dkv2[sample, n_keys:].any()
     errors = {name: float(numpy.abs(got.reshape(ref.shape) - ref).max() / numpy.abs(ref).max())
               for name, got, ref in (("O", o2, ref_o), ("dQ one part", dq1, ref_dq), ("dQ", dq2, ref_dq),
+                                     ("dQ five parts", dq5, ref_dq),
                                      ("dK", dkv2[..., :hidden], ref_dk), ("dV", dkv2[..., hidden:], ref_dv))}
     assert all(e <= TOLERANCE[precision] for e in errors.values()), errors
 

@@ -52,9 +52,9 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1}, {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_KEYS": 80},
                                      {"ATTN_SPLIT3": 1, "ATTN_O_HALF": 1, "ATTN_HEAD_DIM": 128},
                                      {"ATTN_KV_PARTS": 2, "ATTN_SPLIT3": 1, "ATTN_O_HALF": 1},  # key parts, streamed
-                                     {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
+                                     {"ATTN_KV_PARTS": 3, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
                                      {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_O_TRANSPOSED": 1},
-                                     {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_HEAD_DIM": 128}])
+                                     {"ATTN_KV_PARTS": 8, "ATTN_HALF": 1, "ATTN_HEAD_DIM": 128}])
 def test_attention_kernel_variants_compile(defines, arch):
     # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
     cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)
@@ -63,9 +63,10 @@ def test_attention_kernel_variants_compile(defines, arch):
     assert (b"attn_bwd_resident" in cubin) == resident and (b"\x00attn_bwd\x00" in cubin) != resident
 
 
-def test_key_parts_are_the_streamed_kernels_alone():
+@pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80, "ATTN_KV_PARTS": 2}, {"ATTN_KV_PARTS": 0}])
+def test_key_parts_are_the_streamed_kernels_alone(defines):
     with pytest.raises(kernels.CompileError, match="key parts"):
-        kernels.compile_cubin("attention_bwd.cu", "sm_90", {"ATTN_KEYS": 80, "ATTN_KV_PARTS": 2})
+        kernels.compile_cubin("attention_bwd.cu", "sm_90", defines)
 
 
 @pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 48, "ATTN_O_TRANSPOSED": 1},

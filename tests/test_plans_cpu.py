@@ -1141,23 +1141,29 @@ def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidde
 
 
 @pytest.mark.parametrize("shape, precision, kv_parts", [
-    ((2, 256, 211), "tf32", 2), ((2, 256, 211), "fp16", 2),  # 128 blocks, 3 an SM: 256 of 396 slots
+    ((2, 256, 211), "tf32", 2), ((2, 256, 211), "fp16", 2),  # 128 blocks: 256 of 264 (2 an SM, of 3)
     ((2, 256, 211), "fp32", 2),  # 2 an SM: 256 of 264
     ((4, 256, 293), "tf32", 1), ((4, 256, 293), "fp16", 1),  # 256 blocks (64-key tiles, 2 an SM): 512 > 264
-    ((8, 256, 373), "fp32", 1), ((1, 100, 512), "fp16", 2), ((2, 256, 77), "tf32", 1)])  # resident: none
-def test_the_streamed_kernel_splits_its_keys_where_twice_its_grid_fits_a_wave(shape, precision, kv_parts):
+    ((8, 256, 373), "fp32", 1), ((2, 256, 77), "tf32", 1),  # resident: none
+    ((1, 100, 512), "fp16", 8), ((1, 100, 512), "fp32", 8),  # 32 blocks: up to the most (8 key tiles of 64, 16 of 32)
+    ((1, 100, 96), "fp16", 3), ((1, 256, 160), "tf32", 4)])  # 32 blocks, 3 key tiles; 64 blocks
+def test_the_streamed_kernel_splits_its_keys_where_its_grid_leaves_sms_idle(shape, precision, kv_parts):
     from cupy_xattn import attention_bwd
     from cupy_xattn.checks import Problem
     layout = attention_bwd.launch_layout(Problem(*shape, 1024, 16, 64, 0.125), precision, 132)
     name, keys, rows, smem, blocks_per_sm, n_chunks, tiles, key_split, got = layout
     assert got == kv_parts
-    if not keys:
-        assert (2 * shape[0] * 16 * n_chunks <= 132 * blocks_per_sm) == (kv_parts == 2)
+    if not keys:  # the most parts whose grids fit two blocks an SM
+        blocks, slots = shape[0] * 16 * n_chunks, 132 * min(blocks_per_sm, 2)
+        assert kv_parts * blocks <= slots
+        assert kv_parts == attention_bwd.STREAMED_KV_PARTS or (kv_parts + 1) * blocks > slots or (
+            kv_parts == -(-shape[2] // attention_bwd.streamed_block_kv(shape[2], precision)))
 
 
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
 def test_streamed_key_parts_leave_dq_in_parts_summed_once(gpu, monkeypatch, precision):
-    # B, Nv, Nt, D = 2, 70, 81, 128: 8 blocks of the streamed kernel, each query chunk two. tf32 sums
+    # B, Nv, Nt, D = 2, 70, 81, 128: 8 blocks of the streamed kernel, each query chunk three (one a
+    # key tile). tf32 sums
     # dQ's parts into dQ with the reduction kernel; the half modes' conversion sums them as it reads
     # them, and there is no fp32 dQ.
     from cupy_xattn import backward
@@ -1166,18 +1172,18 @@ def test_streamed_key_parts_leave_dq_in_parts_summed_once(gpu, monkeypatch, prec
     entries, _ = _lane_run(gpu, program)
     attention = program._attention
     parts = attention.dq_partials
-    assert attention.kv_parts == 2 and attention._main.defines["ATTN_KV_PARTS"] == 2 and parts.shape == (2, 140, 128)
+    assert attention.kv_parts == 3 and attention._main.defines["ATTN_KV_PARTS"] == 3 and parts.shape == (3, 140, 128)
     (attn_args,), sums = ([e[3] for e in entries if e[:2] == ("kernel", name)] for name in ("attn_bwd", "attn_sum_parts"))
     assert attn_args[5] is parts  # the kernel's dq
     dq_sums = [args for args in sums if args[0] is parts]
     if precision == "tf32":
         (args,) = dq_sums
-        assert args[1] is program._dq and (int(args[2]), int(args[3])) == (140 * 128 // 4, 2)
+        assert args[1] is program._dq and (int(args[2]), int(args[3])) == (140 * 128 // 4, 3)
         return
     assert dq_sums == [] and program._dq.size == 0
     stage_b = program._scaler._groups[1].values
     n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
-    assert stage_b[5 * n] == 2 and stage_b[6 * n] == 140 * 128 // 4  # dQ's entry: two parts, 140 · 128 apart
+    assert stage_b[5 * n] == 3 and stage_b[6 * n] == 140 * 128 // 4  # dQ's entry: three parts, 140 · 128 apart
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]
     assert _table_entries(program, int(copies[1][0]), n)[0] == parts.data.ptr
 
