@@ -35,7 +35,7 @@ RESIDENT_KEY_SPLIT = 2
 STREAMED_KV_PARTS = 8
 #: blocks per SM the key parts may fill: measured on the H200 (perf-notes v57, v58), parts that made
 #: a third block on an SM lost (2x256x211 fp16 and tf32, two parts → three: +2 µs), those up to two
-#: gained (1x100x512, 32 blocks → eight parts: −8 to −15 µs)
+#: gained (1x100x512, 32 blocks, two parts → eight: −3 to −7 µs; 1x256x160, two → four: 0 to −3)
 KEY_PARTS_BLOCKS_PER_SM = 2
 #: on sm_90 the resident kernel with fp16 operands, 64-row tiles and no key split runs its products as
 #: warpgroup MMAs (ATTN_WGMMA, compiled for sm_90a; scripts/wgmma_probe.py), elsewhere as mma.sync

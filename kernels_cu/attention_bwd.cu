@@ -254,7 +254,8 @@ __device__ __forceinline__ void store_ds(operand_t* ds_s, const float ds[NT][4],
 // The first key tile of pass 2 in key part ``part`` (ATTN_KV_PARTS: kv_tiles). A part's chain is
 // about 2 products a key tile in pass 1 (S, dP) and 5 a tile of its own in pass 2; part 0 also
 // forms O in pass 1 (one more a tile), so it takes s0 ≈ kv_tiles·(6 − P) / (5P) tiles (rounded;
-// none from P = 6 on) and the other parts share the rest evenly, which evens the chains.
+// none from P = 6 on) and the other parts share the rest evenly. The count is rough (perf-notes
+// v58: 3 + 5 of 8 tiles ran slower than 4 + 4), and an even split measured no better overall.
 __device__ __forceinline__ int pass2_tile(int part, int kv_tiles) {
     constexpr int P = ATTN_KV_PARTS;
     if (P == 1) return part * kv_tiles;
