@@ -10,6 +10,8 @@
 #
 # Results go to $OUT when set (the device tool's folder), else to the current folder; copy
 # BENCHMARKS.md, benchmarks/h200-latest.json and accuracy.md (as docs/accuracy.md) back.
+# It leaves six files under $OUT, and the device tool returns at most eight from a call (the
+# rest are lost: Session 25 lost its JSON and test log that way), so add at most two of your own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 CUPY_XATTN_REQUIRE_GPU=1
