@@ -194,8 +194,12 @@ def launch_layout(problem, precision, sm_count):
         n_chunks, tiles_per_chunk = chunking(problem.batch_size, problem.num_heads, problem.num_video_tokens,
                                              sm_count, blocks_per_sm, rows)
         blocks = problem.batch_size * problem.num_heads * n_chunks
+        # Chunks of several tiles only come from grids over half a wave, which leave no room for
+        # parts anyway; gated here so that the kernel's path for parts over several query tiles
+        # (dK/dV accumulated per part, a part with no key tile prefetching the next tile's pass 1)
+        # stays unplanned: it has not run on a GPU.
         slots = min(blocks_per_sm, KEY_PARTS_BLOCKS_PER_SM) * sm_count
-        kv_parts = 1 if keys else key_parts(blocks, slots,
+        kv_parts = 1 if keys or tiles_per_chunk > 1 else key_parts(blocks, slots,
                                             -(-problem.num_text_tokens // streamed_block_kv(
                                                 problem.num_text_tokens, precision, problem.head_dim)))
         return name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split, kv_parts

@@ -76,7 +76,8 @@ def _half_mode(precision):
     writes O's fp16 copy itself (fp32: and its remainder), at a scale from a bound on |V| whose bias
     term needs bv's scale, so that O is neither kept in fp32 nor converted and dWo = dY^T O runs
     beside the second conversion; and that conversion sums the attention's dK/dV partials of its
-    query chunks as it reads them, so that no reduction kernel runs and no fp32 [dK | dV] is kept."""
+    query chunks (and dQ's of its key parts) as it reads them, so that no reduction kernel runs and
+    no fp32 [dK | dV] (nor dQ, with key parts) is kept."""
     return precision != "tf32"
 
 
@@ -143,8 +144,8 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     Planned for every SM, a product takes tiles small enough to fill them all, against the GEMMs
     beside it. The tables (_SM_TABLES) are by B·Nt = mt and B·Nv = mv in units of q, the rows of a
     D-wide output that holds a quarter as many 128 × 128 tiles as there are SMs (528 on the H200 at
-    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59; at B·Nv > 8q, fp32's
-    whole tables of v46 and v56 lost 38 and 42 µs, dWo alone gained 22). Where no row holds a
+    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59; at B·Nv > 8q with
+    B·Nt ≤ q, fp32's whole tables of v46 and v56 lost 38 and 42 µs, dWo alone gained 22). Where no row holds a
     problem, all: measured there, no single target gained beyond the drift (tf32 at B·Nv ≤ q with
     B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q); other problems are untried."""
     q = sm_count * 128 * 128 / (4 * d)

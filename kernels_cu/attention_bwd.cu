@@ -33,8 +33,9 @@
 // and D. Pass 2 streams them again: exact P, dP, dS; dQ accumulates in registers, the tile's dK and
 // dV are finished by the block (over its query rows) and added into its own slice of dkv_part —
 // plain stores, no atomics, so results are deterministic.
-// ATTN_KV_PARTS > 1 (the streamed kernel, where its grid is under a wave): that many blocks share
-// each query chunk. All run pass 1 over all keys (the row statistics need them all; the same
+// ATTN_KV_PARTS > 1 (the streamed kernel, where that many times its grid fits two blocks an SM;
+// launch_layout plans it only where a chunk is one query tile, though the kernel takes more): that
+// many blocks share each query chunk. All run pass 1 over all keys (the row statistics need them all; the same
 // products, so the same results); part 0 alone forms and writes O, and each runs pass 2 over its
 // share of the key tiles (pass2_tile), writing its keys' rows of dK and dV and its part of dQ. With
 // two parts a block's chain drops from 8 products a key tile to about 3 + 5/2, and the SMs get

@@ -52,7 +52,7 @@
 // scale slot; tensors may share one), then lo[i] (the remainder's address, 0 for none), then
 // sums[i] (below; 0 for none), then parts[i] and part4[i]: x is the sum of parts[i] ≥ 1 slices of
 // the source part4[i] float4s apart, added in slice order (the attention's dK/dV partials of its
-// query chunks, summed here instead of by a pass of their own).
+// query chunks and dQ's of its key parts, summed here instead of by a pass of their own).
 //
 // Column sums (the bias gradients of dY, dQ, [dK | dV]), in the copy's pass over x: with x a
 // row-major [rows][4·cols4] matrix and gridDim.x·HALF_THREADS a multiple of cols4 (the launcher

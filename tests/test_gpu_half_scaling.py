@@ -154,8 +154,9 @@ def test_tensors_sharing_a_slot_take_the_scale_of_their_joint_max_run_after_run(
 
 @pytest.mark.parametrize("parts", [1, 3])
 def test_a_tensor_given_as_parts_is_their_sum_in_order_in_the_copy_the_rescale_and_the_column_sums(parts):
-    # The attention's dK|dV partials of its query chunks, summed by the conversion (no pass of their
-    # own): slices `stride` elements apart, added in slice order as attn_sum_parts does.
+    # The attention's dK|dV partials of its query chunks (and dQ's of its key parts), summed by the
+    # conversion (no pass of their own): slices `stride` elements apart, added in slice order as
+    # attn_sum_parts does.
     import cupy
     rng = numpy.random.default_rng(parts)
     rows, cols, stride = 300, 256, 300 * 256 + 64

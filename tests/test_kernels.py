@@ -54,7 +54,8 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_KV_PARTS": 2, "ATTN_SPLIT3": 1, "ATTN_O_HALF": 1},  # key parts, streamed
                                      {"ATTN_KV_PARTS": 3, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
                                      {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_O_TRANSPOSED": 1},
-                                     {"ATTN_KV_PARTS": 8, "ATTN_HALF": 1, "ATTN_HEAD_DIM": 128}])
+                                     {"ATTN_KV_PARTS": 8, "ATTN_HALF": 1, "ATTN_HEAD_DIM": 128},
+                                     {"ATTN_KV_PARTS": 7, "ATTN_SPLIT3": 1, "ATTN_O_HALF": 1}])
 def test_attention_kernel_variants_compile(defines, arch):
     # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
     cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)

@@ -879,8 +879,8 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     # dWq for half; B·Nt ≤ q and larger B·Nv, dWq for two thirds; q < B·Nt ≤ 2q and B·Nv > 4q, Q0
     # and dWq for two thirds; q < B·Nt ≤ 4q and B·Nv ≤ 4q, Q0 and dWo for two thirds, dX for half.
     # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q, a third
-    # where B·Nv ≤ 8q, dWo alone for two thirds beyond; where q < B·Nt ≤ 4q and B·Nv ≤ 4q a fourth;
-    # where q < B·Nt ≤ 2q and B·Nv > 4q a fifth. tf32, where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds;
+    # where B·Nv ≤ 8q, a fourth (dWo alone, two thirds) beyond; where q < B·Nt ≤ 4q and B·Nv ≤ 4q a
+    # fifth; where q < B·Nt ≤ 2q and B·Nv > 4q a sixth. tf32, where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds;
     # else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two
     # thirds. The bias sums and everything else: all (0).
     from cupy_xattn import backward
@@ -1146,7 +1146,8 @@ def test_resident_keys_are_split_where_the_grid_has_one_block_an_sm(shape, hidde
     ((2, 256, 211), "tf32", 2), ((2, 256, 211), "fp16", 2),  # 128 blocks: 256 of 264 (2 an SM, of 3)
     ((2, 256, 211), "fp32", 2),  # 2 an SM: 256 of 264
     ((4, 256, 293), "tf32", 1), ((4, 256, 293), "fp16", 1),  # 256 blocks (64-key tiles, 2 an SM): 512 > 264
-    ((8, 256, 373), "fp32", 1), ((2, 256, 77), "tf32", 1),  # resident: none
+    ((8, 256, 373), "fp32", 1),  # 256 blocks fill the 264 slots
+    ((2, 256, 77), "tf32", 1),  # resident: none
     ((1, 100, 512), "fp16", 8), ((1, 100, 512), "fp32", 8),  # 32 blocks: up to the most (8 key tiles of 64, 16 of 32)
     ((1, 100, 96), "fp16", 3), ((1, 256, 160), "tf32", 4)])  # 32 blocks, 3 key tiles; 64 blocks
 def test_the_streamed_kernel_splits_its_keys_where_its_grid_leaves_sms_idle(shape, precision, kv_parts):
@@ -1162,12 +1163,21 @@ def test_the_streamed_kernel_splits_its_keys_where_its_grid_leaves_sms_idle(shap
             kv_parts == -(-shape[2] // attention_bwd.streamed_block_kv(shape[2], precision)))
 
 
+def test_key_parts_only_where_a_chunk_is_one_query_tile(monkeypatch):
+    # 1x100x512 takes eight parts at one tile a chunk; with its two query tiles in one chunk, none.
+    from cupy_xattn import attention_bwd
+    from cupy_xattn.checks import Problem
+    problem = Problem(1, 100, 512, 1024, 16, 64, 0.125)
+    assert attention_bwd.launch_layout(problem, "fp16", 132)[5:] == (2, 1, 1, 8)
+    monkeypatch.setattr(attention_bwd, "chunking", lambda *args, **kw: (1, 2))
+    assert attention_bwd.launch_layout(problem, "fp16", 132)[5:] == (1, 2, 1, 1)
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
 def test_streamed_key_parts_leave_dq_in_parts_summed_once(gpu, monkeypatch, precision):
     # B, Nv, Nt, D = 2, 70, 81, 128: 8 blocks of the streamed kernel, each query chunk three (one a
-    # key tile). tf32 sums
-    # dQ's parts into dQ with the reduction kernel; the half modes' conversion sums them as it reads
-    # them, and there is no fp32 dQ.
+    # key tile). tf32 sums dQ's parts into dQ with the reduction kernel; the half modes' conversion
+    # sums them as it reads them, and there is no fp32 dQ.
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     program = backward.Backward(Problem(2, 70, 81, 128, 2, 64, 0.125), precision, gpu.null, 132)
