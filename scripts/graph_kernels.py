@@ -2,7 +2,8 @@
 duration of each kernel in the graph; the two together say how much of a small case is idle gaps.
 
 Usage:  PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32            (time the replay)
-        PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32 --trace    (idle gaps per replay)
+        PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32 --trace    (idle gaps per replay,
+                                                     each after a lead spin, as the benchmark; --no-lead)
         ncu --clock-control none --cache-control none --profile-from-start off \\
             --metrics gpu__time_duration.sum --csv \\
             python3 scripts/graph_kernels.py 2x256x77 tf32 --profile      (each kernel of one replay)
@@ -30,6 +31,8 @@ def main():
     parser.add_argument("--trace", action="store_true",
                         help="every kernel's start and end in each replay (CUPTI, through torch.profiler)")
     parser.add_argument("--kernels", action="store_true", help="with --trace: list the kernels of the last replay")
+    parser.add_argument("--no-lead", action="store_true",
+                        help="with --trace: no spin kernel before each replay (the GPU idle before it)")
     args = parser.parse_args()
     if args.kernels and not args.trace:
         parser.error("--kernels lists the kernels of a --trace run: give --trace too")
@@ -47,7 +50,7 @@ def main():
         cupy.cuda.profiler.stop()
         return
     if args.trace:
-        trace(lambda: plan(**inputs, out=out), args.reps, args.kernels)
+        trace(lambda: plan(**inputs, out=out), args.reps, args.kernels, lead=not args.no_lead)
         return
     single, queued = [], []
     for _ in range(args.reps):
@@ -64,16 +67,25 @@ def main():
           f"before the launch counts), ten queued calls {float(numpy.median(queued)):.1f} us each (warm L2)")
 
 
-def trace(call, reps, listing=False):
-    """Per replay (the GPU idle before each): span from the first kernel's start to the last one's
-    end, the time some kernel runs (union of the kernels' intervals), the sum of the kernels'
-    durations; span - busy is the idle gaps. torch's profiler serves only as a CUPTI front end."""
+def trace(call, reps, listing=False, lead=True):
+    """Per replay: span from the first kernel's start to the last one's end, the time some kernel
+    runs (union of the kernels' intervals), the sum of the kernels' durations; span - busy is the
+    idle gaps. torch's profiler serves only as a CUPTI front end.
+    With ``lead`` (as the benchmark times a call) each replay follows the spin kernel of
+    bench.LEAD_CYCLES, left out of the figures, so the host has issued the whole replay before its
+    first kernel starts; without it the GPU is idle before each replay, and the host's time to
+    issue the replay can show as gaps (traces before Session 25 were taken that way)."""
     import cupy
     import torch.profiler
 
+    from cupy_xattn import bench
+
+    spin = cupy.RawKernel(bench.LEAD_SOURCE, "lead")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             cupy.cuda.Device().synchronize()
+            if lead:
+                spin((1,), (1,), (numpy.int64(bench.LEAD_CYCLES),))
             call()
             cupy.cuda.Device().synchronize()
             time.sleep(0.002)  # replays at least 2 ms apart: a gap that long splits them below
@@ -83,7 +95,7 @@ def trace(call, reps, listing=False):
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset"))
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset") and e["name"] != "lead")
     replays, current, reach = [], [], 0.0  # reach: the latest end in the current replay so far
     for kernel in kernels:
         if current and kernel[0] - reach > 1000:
