@@ -89,16 +89,11 @@ def _o_shape(precision, video_tn, mv, d):
     return (d, o_t_stride(mv)) if video_tn else (mv, d)
 
 
-def _dkv_shape(precision, n_chunks, mt, d):
-    """[dK | dV]'s float32 buffer: none where the conversion sums the attention's partials of
-    several query chunks (AttentionBackward(reduce_parts=False))."""
-    return (0,) if _half_mode(precision) and n_chunks > 1 else (mt, 2 * d)
-
-
-def _dq_shape(precision, kv_parts, mv, d):
-    """dQ's float32 buffer: none where the conversion sums the attention's partials of several
-    key parts."""
-    return (0,) if _half_mode(precision) and kv_parts > 1 else (mv, d)
+def _summed_shape(precision, n_parts, shape):
+    """The float32 buffer of ``shape`` for an attention output that comes in ``n_parts`` partials
+    (dQ by key part, [dK | dV] by query chunk): none where the conversion sums several
+    (AttentionBackward(reduce_parts=False))."""
+    return (0,) if _half_mode(precision) and n_parts > 1 else shape
 
 
 def _tf32_shapes(mv, mt, d):
@@ -145,9 +140,9 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     beside it. The tables (_SM_TABLES) are by B·Nt = mt and B·Nv = mv in units of q, the rows of a
     D-wide output that holds a quarter as many 128 × 128 tiles as there are SMs (528 on the H200 at
     D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59; at B·Nv > 8q with
-    B·Nt ≤ q, fp32's whole tables of v46 and v56 lost 38 and 42 µs, dWo alone gained 22). Where no row holds a
-    problem, all: measured there, no single target gained beyond the drift (tf32 at B·Nv ≤ q with
-    B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q); other problems are untried."""
+    B·Nt ≤ q, fp32's whole tables of v46 and v56 lost 38 and 42 µs, dWo alone gained 22). Where
+    no row holds a problem, all: measured there, no single target gained beyond the drift (tf32 at
+    B·Nv ≤ q with B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q); other problems are untried."""
     q = sm_count * 128 * 128 / (4 * d)
     for mode, (t_lo, t_hi), (v_lo, v_hi), shares in _SM_TABLES:
         if mode == precision and t_lo * q < mt <= t_hi * q and v_lo * q < mv <= v_hi * q:
@@ -242,8 +237,8 @@ class Backward:
         o_shape = _o_shape(precision, video_tn, mv, d)
         self._o = cupy.zeros(o_shape, numpy.float32) if video_tn else f32(*o_shape)
         # dQ and [dK | dV] in fp32: not written where the half modes' conversion sums the partials.
-        self._dq = f32(*_dq_shape(precision, self._attention.kv_parts, mv, d))
-        self._dkv = f32(*_dkv_shape(precision, self._attention.n_chunks, mt, d))
+        self._dq = f32(*_summed_shape(precision, self._attention.kv_parts, (mv, d)))
+        self._dkv = f32(*_summed_shape(precision, self._attention.n_chunks, (mt, 2 * d)))
         # Text tokens each sample attends to (a buffer the graph reads), rewritten by bind() when the
         # caller pads its texts; _all_keys is the host copy of "no padding".
         self._all_keys = numpy.full(b, nt, numpy.int32)
@@ -275,9 +270,9 @@ class Backward:
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         layout = launch_layout(problem, precision, sm_count)
         n_chunks, kv_parts = layout[5], layout[8]
-        fp32 = 4 * (2 * mv * d + math.prod(_dq_shape(precision, kv_parts, mv, d))
+        fp32 = 4 * (2 * mv * d + math.prod(_summed_shape(precision, kv_parts, (mv, d)))
                     + math.prod(_o_shape(precision, video_tn, mv, d))
-                    + math.prod(_dkv_shape(precision, n_chunks, mt, d))
+                    + math.prod(_summed_shape(precision, n_chunks, (mt, 2 * d)))
                     + max(mv, mt))  # Q0, dO; dQ; O (or O^T); [dK|dV]; ones
         kv0_dtype, kv0_copy = _kv0_buffers(precision, half_kv(problem, precision, sm_count))
         fp32 += (numpy.dtype(kv0_dtype).itemsize + 2 * kv0_copy) * mt * 2 * d  # [K0|V0] and its fp16 copy

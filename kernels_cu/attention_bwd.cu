@@ -35,11 +35,11 @@
 // plain stores, no atomics, so results are deterministic.
 // ATTN_KV_PARTS > 1 (the streamed kernel, where that many times its grid fits two blocks an SM;
 // launch_layout plans it only where a chunk is one query tile, though the kernel takes more): that
-// many blocks share each query chunk. All run pass 1 over all keys (the row statistics need them all; the same
-// products, so the same results); part 0 alone forms and writes O, and each runs pass 2 over its
-// share of the key tiles (pass2_tile), writing its keys' rows of dK and dV and its part of dQ. With
-// two parts a block's chain drops from 8 products a key tile to about 3 + 5/2, and the SMs get
-// twice the warps.
+// many blocks share each query chunk. All run pass 1 over all keys (the row statistics need them
+// all; the same products, so the same results); part 0 alone forms and writes O, and each runs
+// pass 2 over its share of the key tiles (pass2_tile), writing its keys' rows of dK and dV and its
+// part of dQ. With two parts a block's chain drops from 8 products a key tile to about 3 + 5/2, and
+// the SMs get twice the warps.
 //
 // The products, the knobs (ATTN_BLOCK_Q, ATTN_BLOCK_KV, ATTN_HEAD_DIM, ATTN_SPLIT3) and the tile
 // helpers are in attention_common.cuh.

@@ -80,7 +80,7 @@ def trace(call, reps, listing=False, lead=True):
 
     from cupy_xattn import bench
 
-    spin = cupy.RawKernel(bench.LEAD_SOURCE, "lead")
+    spin = cupy.RawKernel(bench.LEAD_SOURCE, "lead") if lead else None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             cupy.cuda.Device().synchronize()

@@ -38,8 +38,8 @@ def probe_gemm():
 
 def probe_attention(shape, precision):
     """Both attention kernels of one shape (BxNvxNt or BxNvxNt:D:H), every text token and then
-    padded lengths (sanitize.padded_lengths); the dK/dV reduction runs when the query rows are chunked, dQ's when the keys are
-    (the streamed kernel's key parts)."""
+    padded lengths (sanitize.padded_lengths); the dK/dV reduction runs when the query rows are
+    chunked, dQ's when the keys are (the streamed kernel's key parts)."""
     case, hidden, heads = sanitize.parse(shape)
     b, nv, nt = case.batch_size, case.num_video_tokens, case.num_text_tokens
     rng = numpy.random.default_rng(0)

@@ -604,9 +604,10 @@ def test_shared_bytes_per_block_reads_the_static_arrays_and_the_reserve():
 def test_attention_builds_fit_the_sm_at_the_blocks_they_plan(gpu, monkeypatch):
     # kernel_choice sizes the dynamic shared memory; the kernels' static arrays (block maxima, bv's
     # columns, as the cubin places them) come on top, and with the SM's 1 KiB reserved per block the
-    # fp32 streamed head_dim-128 build had 1 KiB left at two blocks per SM (Session 22). Every build that the backward plans for
-    # the two suites, in each mode, on an H200 (132 SMs, 228 KiB per SM, 227 KiB per block): a build
-    # that no longer fits loses a block per SM without an error (or fails to launch, past 227 KiB).
+    # fp32 streamed head_dim-128 build had 1 KiB left at two blocks per SM (Session 22). Every build
+    # that the backward plans for the two suites, in each mode, on an H200 (132 SMs, 228 KiB per SM,
+    # 227 KiB per block): a build that no longer fits loses a block per SM without an error (or
+    # fails to launch, past 227 KiB).
     from cupy_xattn import attention_bwd, backward, cases, kernels
     from cupy_xattn.checks import Problem
     builds = {}
@@ -880,8 +881,8 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     # and dWq for two thirds; q < B·Nt ≤ 4q and B·Nv ≤ 4q, Q0 and dWo for two thirds, dX for half.
     # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q, a third
     # where B·Nv ≤ 8q, a fourth (dWo alone, two thirds) beyond; where q < B·Nt ≤ 4q and B·Nv ≤ 4q a
-    # fifth; where q < B·Nt ≤ 2q and B·Nv > 4q a sixth. tf32, where B·Nt ≤ q and q < B·Nv ≤ 3q: dX for a third, dT for two thirds;
-    # else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two
+    # fifth; where q < B·Nt ≤ 2q and B·Nv > 4q a sixth. tf32, where B·Nt ≤ q and q < B·Nv ≤ 3q: dX
+    # for a third, dT for two thirds; else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two
     # thirds. The bias sums and everything else: all (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
