@@ -119,6 +119,10 @@ _SM_TABLES = [
     ("fp32", (0, 1), (3, 4), (_TWO_THIRDS, _HALF, _ALL, _THIRD, _THIRD, _TWO_THIRDS, _THIRD, _ALL)),  # v46
     ("fp32", (0, 1), (4, 8), (_TWO_THIRDS, _ALL, _ALL, _HALF, _TWO_THIRDS, _TWO_THIRDS, _HALF, _ALL)),  # v56
     ("fp32", (0, 1), (8, _INF), (_ALL, _ALL, _ALL, _TWO_THIRDS, _ALL, _ALL, _ALL, _ALL)),  # v59
+    # v60, the next three rows
+    ("fp32", (4, 8), (0, 4), (_ALL, _ALL, _ALL, _TWO_THIRDS, _TWO_THIRDS, _HALF, _ALL, _ALL)),
+    ("fp32", (4, 8), (4, 8), (_TWO_THIRDS, _TWO_THIRDS, _ALL, _HALF, _TWO_THIRDS, _TWO_THIRDS, _TWO_THIRDS, _ALL)),
+    ("fp32", (8, _INF), (8, _INF), (_ALL, _ALL, _ALL, _HALF, _ALL, _HALF, _ALL, _ALL)),
     ("fp32", (1, 4), (0, 4), (_TWO_THIRDS, _TWO_THIRDS, _TWO_THIRDS, _HALF, _HALF, _HALF, _TWO_THIRDS, _ALL)),  # v55
     ("fp32", (1, 2), (4, _INF), (_TWO_THIRDS, _ALL, _TWO_THIRDS, _HALF, _TWO_THIRDS, _TWO_THIRDS, _HALF, _ALL)),  # v55
     ("tf32", (0, 1), (1, 3), (_ALL, _ALL, _ALL, _ALL, _THIRD, _ALL, _TWO_THIRDS, _ALL)),  # v53
@@ -139,7 +143,7 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     Planned for every SM, a product takes tiles small enough to fill them all, against the GEMMs
     beside it. The tables (_SM_TABLES) are by B·Nt = mt and B·Nv = mv in units of q, the rows of a
     D-wide output that holds a quarter as many 128 × 128 tiles as there are SMs (528 on the H200 at
-    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59; at B·Nv > 8q with
+    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59, v60; at B·Nv > 8q with
     B·Nt ≤ q, fp32's whole tables of v46 and v56 lost 38 and 42 µs, dWo alone gained 22). Where
     no row holds a problem, all: measured there, no single target gained beyond the drift (tf32 at
     B·Nv ≤ q with B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q); other problems are untried."""

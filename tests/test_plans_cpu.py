@@ -872,7 +872,8 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
                                    (1, 1584, 77), (1, 1585, 77), (1, 2112, 77), (1, 2113, 77), (1, 1000, 528),
                                    (1, 1000, 529), (1, 2112, 264), (1, 2112, 265), (1, 2113, 265), (1, 4096, 1056),
                                    (1, 4096, 1057), (1, 2112, 2112), (1, 2112, 2113), (1, 2113, 1057), (1, 4224, 77),
-                                   (1, 4225, 77), (1, 4225, 528), (64, 128, 77)])
+                                   (1, 4225, 77), (1, 4225, 528), (64, 128, 77), (32, 128, 77), (8, 256, 373),
+                                   (1, 2113, 2113), (1, 4224, 4224), (1, 4224, 4225), (1, 4225, 4225)])
 def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypatch, precision, shape):
     # q = 132 · 128² / (4 · D) = 528 rows (Q0's output at most 33 tiles of 128 × 128). fp16, where
     # B·Nv and B·Nt ≤ q: the three projections and dWo plan for a third of the SMs, the four GEMMs
@@ -881,9 +882,10 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     # and dWq for two thirds; q < B·Nt ≤ 4q and B·Nv ≤ 4q, Q0 and dWo for two thirds, dX for half.
     # fp32, where B·Nt ≤ q: a table of its own where B·Nv ≤ 3q, another where B·Nv ≤ 4q, a third
     # where B·Nv ≤ 8q, a fourth (dWo alone, two thirds) beyond; where q < B·Nt ≤ 4q and B·Nv ≤ 4q a
-    # fifth; where q < B·Nt ≤ 2q and B·Nv > 4q a sixth. tf32, where B·Nt ≤ q and q < B·Nv ≤ 3q: dX
-    # for a third, dT for two thirds; else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT for two thirds; where q < B·Nt ≤ 2q, dX for two
-    # thirds. The bias sums and everything else: all (0).
+    # fifth; where q < B·Nt ≤ 2q and B·Nv > 4q a sixth; where 4q < B·Nt ≤ 8q, one where B·Nv ≤ 4q and
+    # one where 4q < B·Nv ≤ 8q; where both exceed 8q, dWo and dWq for half. tf32, where B·Nt ≤ q and
+    # q < B·Nv ≤ 3q: dX for a third, dT for two thirds; else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT
+    # for two thirds; where q < B·Nt ≤ 2q, dX for two thirds. The bias sums and everything else: all (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     sm_targets = []
@@ -916,6 +918,12 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
         targets = 88, 88, 88, 66, 66, 66, 88, 0
     elif precision == "fp32" and 528 < b * nt <= 1056 and b * nv > 2112:
         targets = 88, 0, 88, 66, 88, 88, 66, 0
+    elif precision == "fp32" and 2112 < b * nt <= 4224 and b * nv <= 2112:
+        targets = 0, 0, 0, 88, 88, 66, 0, 0
+    elif precision == "fp32" and 2112 < b * nt <= 4224 and 2112 < b * nv <= 4224:
+        targets = 88, 88, 0, 66, 88, 88, 88, 0
+    elif precision == "fp32" and b * nt > 4224 and b * nv > 4224:
+        targets = 0, 0, 0, 66, 0, 66, 0, 0
     elif precision == "fp16" and b * nv <= 528 and b * nt <= 528:
         targets = 44, 44, 44, 44, 66, 66, 66, 66
     elif precision == "fp16" and b * nt <= 528 and b * nv <= 2112:
