@@ -128,6 +128,8 @@ _SM_TABLES = [
     ("tf32", (0, 1), (1, 3), (_ALL, _ALL, _ALL, _ALL, _THIRD, _ALL, _TWO_THIRDS, _ALL)),  # v53
     ("tf32", (0.5, 1), (0, 4), (_ALL, _ALL, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL)),  # v54
     ("tf32", (1, 2), (0, _INF), (_ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL, _ALL, _ALL)),  # v54
+    ("tf32", (2, 4), (0, 4), (_ALL, _ALL, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL)),  # v61
+    ("tf32", (4, 8), (4, 8), (_ALL, _ALL, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL)),  # v61
     ("fp16", (0, 1), (0, 1), (_THIRD, _THIRD, _THIRD, _THIRD, _HALF, _HALF, _HALF, _HALF)),  # v44, v52
     ("fp16", (0, 1), (1, 4), (_TWO_THIRDS, _ALL, _ALL, _TWO_THIRDS, _ALL, _HALF, _ALL, _ALL)),  # v52
     ("fp16", (0, 1), (4, _INF), (_ALL, _ALL, _ALL, _ALL, _ALL, _TWO_THIRDS, _ALL, _ALL)),  # v54
@@ -143,10 +145,11 @@ def _sm_shares(precision, mv, mt, d, sm_count):
     Planned for every SM, a product takes tiles small enough to fill them all, against the GEMMs
     beside it. The tables (_SM_TABLES) are by B·Nt = mt and B·Nv = mv in units of q, the rows of a
     D-wide output that holds a quarter as many 128 × 128 tiles as there are SMs (528 on the H200 at
-    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59, v60; at B·Nv > 8q with
+    D = 1024). What each row gained is in perf-notes (v44–v46, v52–v56, v59–v61; at B·Nv > 8q with
     B·Nt ≤ q, fp32's whole tables of v46 and v56 lost 38 and 42 µs, dWo alone gained 22). Where
     no row holds a problem, all: measured there, no single target gained beyond the drift (tf32 at
-    B·Nv ≤ q with B·Nt ≤ q/2, tf32 and fp16 at B·Nt > 4q); other problems are untried."""
+    B·Nv ≤ q with B·Nt ≤ q/2, tf32 at B·Nt > 8q or at B·Nt > 4q with B·Nv ≤ 4q, fp16 at
+    B·Nt > 4q); other problems are untried."""
     q = sm_count * 128 * 128 / (4 * d)
     for mode, (t_lo, t_hi), (v_lo, v_hi), shares in _SM_TABLES:
         if mode == precision and t_lo * q < mt <= t_hi * q and v_lo * q < mv <= v_hi * q:

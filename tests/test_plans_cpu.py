@@ -873,7 +873,7 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
                                    (1, 1000, 529), (1, 2112, 264), (1, 2112, 265), (1, 2113, 265), (1, 4096, 1056),
                                    (1, 4096, 1057), (1, 2112, 2112), (1, 2112, 2113), (1, 2113, 1057), (1, 4224, 77),
                                    (1, 4225, 77), (1, 4225, 528), (64, 128, 77), (32, 128, 77), (8, 256, 373),
-                                   (1, 2113, 2113), (1, 4224, 4224), (1, 4224, 4225), (1, 4225, 4225)])
+                                   (1, 2113, 2113), (1, 4224, 4224), (1, 4224, 4225), (1, 4225, 4225), (1, 2112, 1057)])
 def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypatch, precision, shape):
     # q = 132 · 128² / (4 · D) = 528 rows (Q0's output at most 33 tiles of 128 × 128). fp16, where
     # B·Nv and B·Nt ≤ q: the three projections and dWo plan for a third of the SMs, the four GEMMs
@@ -885,7 +885,8 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     # fifth; where q < B·Nt ≤ 2q and B·Nv > 4q a sixth; where 4q < B·Nt ≤ 8q, one where B·Nv ≤ 4q and
     # one where 4q < B·Nv ≤ 8q; where both exceed 8q, dWo and dWq for half. tf32, where B·Nt ≤ q and
     # q < B·Nv ≤ 3q: dX for a third, dT for two thirds; else where q/2 < B·Nt ≤ q and B·Nv ≤ 4q, dT
-    # for two thirds; where q < B·Nt ≤ 2q, dX for two thirds. The bias sums and everything else: all (0).
+    # for two thirds; where q < B·Nt ≤ 2q, dX for two thirds; where 2q < B·Nt ≤ 4q and B·Nv ≤ 4q,
+    # and where 4q < B·Nt ≤ 8q and 4q < B·Nv ≤ 8q, dT for two thirds. The bias sums and everything else: all (0).
     from cupy_xattn import backward
     from cupy_xattn.checks import Problem
     sm_targets = []
@@ -897,7 +898,8 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
         mv, mt = b * nv, b * nt
         if mt <= 528 and 528 < mv <= 1584:
             dx_dt = 44, 88
-        elif 264 < mt <= 528 and mv <= 2112:
+        elif 264 < mt <= 528 and mv <= 2112 or 1056 < mt <= 2112 and mv <= 2112 or (
+                2112 < mt <= 4224 and 2112 < mv <= 4224):
             dx_dt = 0, 88
         else:
             dx_dt = (88, 0) if 528 < mt <= 1056 else (0, 0)
