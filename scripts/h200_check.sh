@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a GPU session verifies, in one device call (~3 minutes on a warm H200):
+# Everything a GPU session verifies, in one device call (~7 minutes on a warm H200, 6 of them the tests):
 # every GPU test with the GPU required, the full sweep with baselines and ceilings
 # (scripts/sweep_h200.sh: benchmarks/*.json and BENCHMARKS.md), and the accuracy tables.
 #
