@@ -4,6 +4,8 @@ Owns the kernel names, their compile-time knobs, the grid arithmetic and the ker
 workspace (the per-chunk dK/dV partials, the per-key-part dQ partials).
 """
 
+import collections
+
 import numpy
 
 from . import kernels
@@ -112,11 +114,16 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
     return "attn_bwd", 0, BLOCK_Q, smem, blocks
 
 
+#: launch_layout's answer: kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per
+#: SM, query chunks, tiles per chunk, ATTN_KEY_SPLIT, ATTN_KV_PARTS
+Layout = collections.namedtuple("Layout", "name keys rows smem_bytes blocks_per_sm n_chunks tiles_per_chunk "
+                                          "key_split kv_parts")
+
+
 def uses_wgmma(layout, precision, compute_capability):
     """Whether a launch_layout runs on wgmma (WGMMA) on a GPU of this compute capability ("90")."""
-    name, keys, rows, *_, key_split, _ = layout
-    return (WGMMA and str(compute_capability) == "90" and keys > 0 and rows == 64 and key_split == 1
-            and operand_bytes(precision) == 2)
+    return (WGMMA and str(compute_capability) == "90" and layout.keys > 0 and layout.rows == 64
+            and layout.key_split == 1 and operand_bytes(precision) == 2)
 
 
 def half_kv(problem, precision, sm_count):
@@ -129,8 +136,8 @@ def half_kv(problem, precision, sm_count):
     GEMM cannot write fp16): 8x256x373 −17 to −18 µs, 4x256x293 −11, 2x256x211 ±0.4 (v49)."""
     if precision not in ("fp16", "tf32"):
         return False
-    _, keys, _, _, _, _, tiles_per_chunk, _, _ = launch_layout(problem, precision, sm_count)
-    return keys == 0 or (precision == "fp16" and tiles_per_chunk <= KV_HALF_RESIDENT_TILES)
+    layout = launch_layout(problem, precision, sm_count)
+    return layout.keys == 0 or (precision == "fp16" and layout.tiles_per_chunk <= KV_HALF_RESIDENT_TILES)
 
 
 def o_t_stride(rows):
@@ -183,11 +190,10 @@ def key_parts(blocks, slots, key_tiles):
 
 
 def launch_layout(problem, precision, sm_count):
-    """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM, n_chunks,
-    tiles_per_chunk, ATTN_KEY_SPLIT, ATTN_KV_PARTS) for ``problem``. The resident kernel splits its
-    keys (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one
-    tile as one chain of dependent instructions, and two warps a row halve it. The streamed kernel
-    gives each query chunk up to STREAMED_KV_PARTS blocks (key_parts)."""
+    """The Layout of the kernel for ``problem``. The resident kernel splits its keys
+    (RESIDENT_KEY_SPLIT) where its grid has at most one block per SM: there each SM runs one tile
+    as one chain of dependent instructions, and two warps a row halve it. The streamed kernel gives
+    each query chunk up to STREAMED_KV_PARTS blocks (key_parts)."""
     def layout(key_split):
         name, keys, rows, smem, blocks_per_sm = kernel_choice(problem.num_text_tokens, precision, problem.head_dim,
                                                               key_split)
@@ -202,12 +208,11 @@ def launch_layout(problem, precision, sm_count):
         kv_parts = 1 if keys or tiles_per_chunk > 1 else key_parts(blocks, slots,
                                             -(-problem.num_text_tokens // streamed_block_kv(
                                                 problem.num_text_tokens, precision, problem.head_dim)))
-        return name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split, kv_parts
+        return Layout(name, keys, rows, smem, blocks_per_sm, n_chunks, tiles_per_chunk, key_split, kv_parts)
 
     unsplit = layout(1)
-    _, keys, rows, _, _, n_chunks, _, _, _ = unsplit
-    one_block_per_sm = problem.batch_size * problem.num_heads * n_chunks <= sm_count
-    if keys and rows == 64 and operand_bytes(precision) == 2 and one_block_per_sm:
+    one_block_per_sm = problem.batch_size * problem.num_heads * unsplit.n_chunks <= sm_count
+    if unsplit.keys and unsplit.rows == 64 and operand_bytes(precision) == 2 and one_block_per_sm:
         return layout(RESIDENT_KEY_SPLIT)
     return unsplit
 
@@ -239,7 +244,7 @@ class AttentionBackward:
         """Bytes of the dK/dV partials (one slice per query chunk, when there is more than one) and
         of the dQ partials (one per key part, when there is more than one)."""
         layout = launch_layout(problem, precision, sm_count)
-        n_chunks, kv_parts = layout[5], layout[8]
+        n_chunks, kv_parts = layout.n_chunks, layout.kv_parts
         p = problem
         return 4 * p.hidden_size * ((n_chunks if n_chunks > 1 else 0) * p.batch_size * p.num_text_tokens * 2
                                     + (kv_parts if kv_parts > 1 else 0) * p.batch_size * p.num_video_tokens)

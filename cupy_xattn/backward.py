@@ -276,7 +276,7 @@ class Backward:
         mv, mt = b * nv, b * nt
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         layout = launch_layout(problem, precision, sm_count)
-        n_chunks, kv_parts = layout[5], layout[8]
+        n_chunks, kv_parts = layout.n_chunks, layout.kv_parts
         fp32 = 4 * (2 * mv * d + math.prod(_summed_shape(precision, kv_parts, (mv, d)))
                     + math.prod(_o_shape(precision, video_tn, mv, d))
                     + math.prod(_summed_shape(precision, n_chunks, (mt, 2 * d)))
