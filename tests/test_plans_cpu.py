@@ -948,6 +948,17 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     assert all(targets == {0} for targets in got.values()), got  # the bias sums
 
 
+def test_tf32_rows_of_the_sm_tables_set_only_the_targets_its_schedule_reads():
+    # _record_tf32 passes a target to dX and dT only (its Q0 | dO, [dWo | dWq] and [dWk | dWv] are
+    # batched pairs, [K0 | V0] runs beside Q0 | dO): a share set for another product would do nothing.
+    from cupy_xattn import backward
+    rows = [shares for mode, _, _, shares in backward._SM_TABLES if mode == "tf32"]
+    assert rows
+    for shares in rows:
+        named = dict(zip(backward._GEMM_NAMES, shares))
+        assert all(share == backward._ALL for name, share in named.items() if name not in ("dx", "dt")), named
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "fp32"])
 @pytest.mark.parametrize("shape, hidden, half_in_fp16", [
     ((2, 70, 81), 256, True), ((4, 64, 200), 256, True), ((1, 512, 80), 1024, True),  # streamed; resident key split
