@@ -347,7 +347,7 @@ def validate(arrays, *, scale, num_heads, precision, backend, out, caller="cross
                       for name, a in everything.items()
                       if tuple(a.shape) != tuple(dims.get(s) for s in expected[name])]
     if shape_problems:
-        problems.append("shapes do not match (B, Nv from video_latents; Nt, D from text_embeddings):\n    "
+        problems.append("shapes do not match (B, Nv, D from video_latents; Nt from text_embeddings):\n    "
                         + "\n    ".join(shape_problems))
     empty = [f"{symbol}={size}" for symbol, size in dims.items() if size == 0]
     if empty:

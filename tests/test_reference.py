@@ -5,6 +5,7 @@ import pytest
 from cupy_xattn import reference
 from cupy_xattn.cases import Case, make_inputs
 from cupy_xattn.grads import INPUT_NAMES, CrossAttentionGrads
+from identities import assert_gradient_identities
 
 # (B, Nv, Nt, D, H): tiny, with sizes that share no factor, and one with a single head.
 SHAPES = [(2, 3, 4, 8, 2), (1, 5, 2, 6, 1), (3, 2, 3, 12, 3)]
@@ -84,15 +85,13 @@ def test_every_gradient_matches_central_differences(shape):
 def test_gradient_identities(shape):
     *sizes, num_heads = shape
     inputs = _inputs(*sizes, seed=2)
-    dY, X, T, Wq, bq, Wk, bk, Wv, bv, Wo, bo = inputs.values()
     grads = reference.backward(*inputs.values(), num_heads=num_heads)
-    # Each softmax row's gradient sums to zero, so does every key's bias gradient.
-    numpy.testing.assert_allclose(grads.grad_key_bias, 0.0, atol=1e-12)
-    scale = 1 / numpy.sqrt(X.shape[-1] // num_heads)
-    dQ, dK, dV = reference.attention_backward(dY @ Wo, X @ Wq.T + bq, T @ Wk.T + bk, T @ Wv.T + bv, scale,
-                                              num_heads=num_heads)
-    numpy.testing.assert_allclose(grads.grad_text_embeddings, dK @ Wk + dV @ Wv, rtol=1e-12, atol=1e-12)
-    numpy.testing.assert_allclose(grads.grad_video_latents, dQ @ Wq, rtol=1e-12, atol=1e-12)
+    # Identities that do not reuse the reference's formulas (tests/identities.py), with and without
+    # padded texts.
+    assert_gradient_identities(inputs, grads, num_heads=num_heads, rtol=1e-12)
+    lengths = [max(1, sizes[2] - 1 - b) for b in range(sizes[0])]
+    padded = reference.backward(*inputs.values(), num_heads=num_heads, text_lengths=lengths)
+    assert_gradient_identities(inputs, padded, num_heads=num_heads, text_lengths=lengths, rtol=1e-12)
 
 
 def test_inputs_are_not_modified_and_float32_is_accepted():
