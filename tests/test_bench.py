@@ -5,6 +5,7 @@ import io
 import json
 import math
 import pathlib
+import re
 
 import numpy
 import pytest
@@ -182,7 +183,9 @@ def test_format_csv():
 def test_format_table():
     text = bench.format_rows(_sample_result(), "table")
     assert "median_us" in text and "suite means" in text and "ceilings measured" in text
-    assert "20.0" in text                        # TFLOP/s rounded to 0.1
+    # The first row whole: TFLOP/s rounded to 0.1, the fraction of the ceiling to 0.001, x vs torch to 0.01.
+    assert re.search(r"^2\s+256\s+77\s+tf32\s+cupy_xattn\s+100\.0\s+100\.0\s+100\.0\s+10\.0\s+20\.0\s+0\.050\s+3\.00\s+ok$",
+                     text, re.M), text
     assert "400.0 TFLOP/s" in text
     assert "fp16 GEMM: not measured" in text
     assert "error: ValueError: nope" in text

@@ -1,6 +1,8 @@
 """Every way a call can be wrong is caught before any work, with one message naming it all."""
 import hashlib
 import math
+import re
+import sys
 from types import SimpleNamespace
 
 import numpy
@@ -219,9 +221,13 @@ def test_non_arrays_are_one_type_error():
     assert "video_latents is a list" in str(error.value) and "key_bias is a float" in str(error.value)
 
 
-@pytest.mark.parametrize("out", [numpy.zeros(10), "abcdefghij", [numpy.zeros(1)] * 9, 5])
-def test_out_must_be_ten_arrays(out):
-    with pytest.raises(TypeError):
+@pytest.mark.parametrize("out, message", [
+    (numpy.zeros(10), "out.grad_video_latents is a float64; expected a NumPy or CuPy array"),  # ten, not arrays
+    ("abcdefghij", "out must be a CrossAttentionGrads or a sequence of 10 arrays, got str"),
+    ([numpy.zeros(1)] * 9, "out must be a CrossAttentionGrads or a sequence of 10 arrays, got list"),
+    (5, "out must be a CrossAttentionGrads or a sequence of 10 arrays, got int")])
+def test_out_must_be_ten_arrays(out, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
         as_out(out)
 
 
@@ -243,12 +249,21 @@ def _digest(arrays):
     return {name: hashlib.sha256(numpy.ascontiguousarray(a).tobytes()).hexdigest() for name, a in arrays.items()}
 
 
-def test_errors_come_before_any_work_and_inputs_stay_untouched(arrays):
+def test_errors_come_before_any_work_and_inputs_stay_untouched(arrays, monkeypatch):
     before = _digest(arrays)
     bad = dict(arrays, value_weight=arrays["value_weight"][:, :3])
     with pytest.raises(ValueError, match="value_weight has shape"):
         cross_attention_backward(*bad.values(), num_heads=H, backend="numpy")
-    # backend="cupy" would need a GPU; it is validated before CuPy is even imported.
+    # backend="cupy" would need a GPU; it is validated before CuPy is even imported: here CuPy is
+    # neither imported nor importable (an import raises ImportError).
+    class NoCupy:
+        def find_spec(self, name, path=None, target=None):
+            if name == "cupy" or name.startswith("cupy."):
+                raise ImportError(f"{name} blocked by the test")
+
+    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NoCupy(), *sys.meta_path])
     with pytest.raises(ValueError, match="value_weight has shape"):
         cross_attention_backward(*bad.values(), num_heads=H, backend="cupy")
     assert _digest(arrays) == before
