@@ -72,6 +72,8 @@ def cross_attention_backward(grad_output, video_latents, text_embeddings, query_
         backend="cupy" without CuPy installed.
     cupy_xattn._cupy.NoGPUError
         backend="cupy" without a usable GPU.
+    MemoryError
+        backend="cupy": the GPU cannot hold what the shape needs (the message says how much).
     """
     return run((grad_output, video_latents, text_embeddings, query_weight, query_bias, key_weight, key_bias,
                 value_weight, value_bias, output_weight, output_bias),
@@ -94,6 +96,12 @@ def cross_attention_forward(video_latents, text_embeddings, query_weight, query_
     -------
     (B, Nv, D) array of video_latents' dtype: NumPy when every input is a NumPy array, CuPy
     otherwise.
+
+    Raises
+    ------
+    TypeError, ValueError, ImportError, cupy_xattn._cupy.NoGPUError
+        As ``cross_attention_backward``; ValueError also for a precision other than "tf32" or
+        "fp32" on the CuPy backend, or a head_dim it does not support.
     """
     caller = "cross_attention_forward"
     arrays = checks.as_arrays(dict(zip(INPUT_NAMES[1:], (

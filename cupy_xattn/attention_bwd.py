@@ -63,7 +63,7 @@ def _padded(n, multiple):
 
 
 def streamed_block_kv(num_text_tokens, precision, head_dim=64):
-    """Keys per tile of attn_bwd: WIDE_BLOCK_KV in the TF32 build at head_dim 64 where that pads
+    """Keys per tile of attn_bwd: WIDE_BLOCK_KV in the fp16-operand build (tf32, fp16) at head_dim 64 where that pads
     the text to no more keys than BLOCK_KV does (Nt = 293: 5 tiles of 64 or 10 of 32; Nt = 211:
     4 of 64 would be 32 keys more than 7 of 32), else BLOCK_KV. Half the tiles, each with twice
     the independent mma chains, at two blocks per SM instead of three. Measured on the H200

@@ -112,6 +112,10 @@ def compare(got, ref, *, atol, rtol, match_ratio):
     ----------
     got : CrossAttentionGrads (or 10-sequence) of NumPy or CuPy arrays
     ref : CrossAttentionGrads of NumPy arrays (float64 reference)
+    atol, rtol : float
+        The element rule's tolerances.
+    match_ratio : float
+        The fraction of elements that must match.
 
     Returns
     -------

@@ -1,7 +1,9 @@
-"""Every check on the arguments of ``cross_attention_backward``, done before any allocation or launch.
+"""The checks on the arguments of ``cross_attention_backward``, done before any allocation or launch
+(head_dim, which only the GPU kernels limit, is checked when the plan is built: attention_bwd.check_head_dim).
 
 Problems are collected, not raised one at a time: a call with several bad arguments gets one
-error naming all of them (TypeError for types and dtypes, ValueError for everything else).
+error naming all of a kind: a TypeError for every type and dtype problem, else a ValueError for
+everything else.
 """
 import functools
 import math

@@ -103,7 +103,7 @@ def get_kernel(filename, kernel_name, defines=None, arch=None):
     Returns
     -------
     cupy.RawKernel
-        Modules are cached per (filename, defines, device); CuPy also caches the binary on
+        Modules are cached per (filename, defines, device, arch); CuPy also caches the binary on
         disk (``CUPY_CACHE_DIR``), keyed on the full source text.
     """
     cupy = import_cupy()

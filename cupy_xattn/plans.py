@@ -1,7 +1,7 @@
 """Plans: the backward of one shape, captured once into a CUDA graph and replayed per call.
 
-On a slow host a CuPy call costs 10–40 µs and the backward is 11 steps (fp16: 18) of one or more
-launches, so issuing them one by one costs more than the GPU work on small shapes. A plan
+On a slow host a CuPy call costs 10–40 µs and the backward is 11–17 steps (fp16: ~16, fp32: ~31) of
+one or more launches, so issuing them one by one costs more than the GPU work on small shapes. A plan
 records the steps once (``backward.Backward``), runs them directly on its first call, captures
 them into a CUDA graph, and from then on costs one small host-to-device copy (the pointer table
 with the new arrays' addresses) and one graph launch per call. The caller's arrays are read
@@ -41,8 +41,9 @@ class Plan:
     Create with :func:`plan`. Calling it takes the arguments of ``cross_attention_backward``
     (CuPy float32 arrays of the plan's shape; anything else, and any call with ``text_lengths``,
     which are checked on the host and written by a second small copy, goes through full
-    validation and conversion first) and returns a ``CrossAttentionGrads`` of CuPy arrays, bitwise equal to
-    the first (uncaptured) run of the same steps. Work is ordered on ``stream`` if one was given,
+    validation and conversion first) and returns a ``CrossAttentionGrads`` of CuPy arrays (NumPy when every
+    input is NumPy, as ``cross_attention_backward``), bitwise equal to the first (uncaptured) run of
+    the same steps. Work is ordered on ``stream`` if one was given,
     else on the stream current at each call. Thread-safe; one call at a time per plan.
     """
 

@@ -56,6 +56,11 @@ def attention_probabilities(queries, keys, scale, *, num_heads, text_lengths=Non
     ----------
     queries : (B, Nv, D)
     keys : (B, Nt, D)
+    scale : float
+    num_heads : int
+        D is split into num_heads heads of D / num_heads.
+    text_lengths : (B,) ints, optional
+        Unpadded text tokens per sample; the rest get P = 0.
 
     Returns
     -------
@@ -84,6 +89,8 @@ def attention_backward(grad_attention_output, queries, keys, values, scale, *, n
         dO.
     queries : (B, Nv, D)
     keys, values : (B, Nt, D)
+    scale, num_heads, text_lengths
+        As in ``attention_probabilities``.
 
     Returns
     -------
