@@ -57,11 +57,20 @@ def probe_attention(shape, precision):
     o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, 2.0 ** -3] + [numpy.nan] * 3, numpy.float32)
                 if o_half else None)
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
-    for o_transposed, lengths in itertools.product(
-            (False, True) if precision == "tf32" else (False,),
+    # K0 | V0 in fp16 too where the backward reads it so (attention_bwd.half_kv): at s_KV = alpha /
+    # (inv_t · inv_w) in the fp16 mode, at a given 1 / s_KV in tf32 (as the conversion leaves it).
+    kv_halves = (False, True) if attention_bwd.half_kv(problem, precision, sm_count) else (False,)
+    kv0_half, kv_scale = None, None
+    if True in kv_halves:
+        s_kv = (attention_bwd.kv_half_alpha(hidden) / float(o_scales[0] * o_scales[1]) if o_half
+                else 2.0 ** (13 - numpy.floor(numpy.log2(float(cupy.abs(kv0).max())))))
+        kv0_half = (kv0 * s_kv).astype(numpy.float16)
+        kv_scale = None if o_half else cupy.array([1 / s_kv], numpy.float32)
+    for o_transposed, kv_half, lengths in itertools.product(
+            (False, True) if precision == "tf32" else (False,), kv_halves,
             (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
         backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed,
-                                                   o_half=o_half)
+                                                   o_half=o_half, kv_half=kv_half)
         o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
         lengths = cupy.asarray(lengths)
         o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
@@ -70,13 +79,14 @@ def probe_attention(shape, precision):
         if o_half:
             o = o.astype(numpy.float16)
             o_lo = o.copy() if precision == "fp32" else None
-        backward(q0, kv0, table.data.ptr, dout, o, dq, dkv, lengths,
+        backward(q0, kv0_half if kv_half else kv0, table.data.ptr, dout, o, dq, dkv, lengths,
                  o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(6)),
-                 o_lo=None if o_lo is None else o_lo.data.ptr)
+                 o_lo=None if o_lo is None else o_lo.data.ptr,
+                 kv_scale=kv_scale.data.ptr if kv_half and kv_scale is not None else None)
         forward(q0, kv0, table.data.ptr, lengths, y)
         outputs = (o[:, :b * nv] if o_transposed else o, dq, dkv, y) + (() if o_lo is None else (o_lo,))
         finite = all(bool(cupy.isfinite(x).all()) for x in outputs)
-        print(f"attention {shape} {precision}: outputs finite: {finite}", flush=True)
+        print(f"attention {shape} {precision}{' fp16 K0|V0' if kv_half else ''}: outputs finite: {finite}", flush=True)
         if not finite:  # an output the kernels left unwritten keeps its NaN poison
             raise SystemExit(1)
 
