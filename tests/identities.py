@@ -1,12 +1,14 @@
 """Identities every correct set of the 10 gradients keeps, whatever way it was computed: checks of
-the float64 reference that do not reuse its formulas (tests/test_reference.py, test_properties.py)."""
+the float64 reference that (but for dbo = Σ dY) do not reuse its formulas (tests/test_reference.py,
+test_properties.py)."""
 import numpy
 
 from cupy_xattn import reference
+from cupy_xattn.grads import INPUT_NAMES
 
 
-def assert_gradient_identities(inputs, grads, *, num_heads, text_lengths=None, rtol=1e-9):
-    """``grads`` (CrossAttentionGrads) of L = <dY, Y> for ``inputs`` (the 11 arrays by name, dY first).
+def assert_gradient_identities(inputs, grads, *, num_heads, scale=None, text_lengths=None, rtol=1e-9):
+    """``grads`` (CrossAttentionGrads) of L = <dY, Y> for ``inputs`` (the 11 arrays by name).
 
     - dbo = Σ dY, and dbv = dbo Wo: each row of P sums to 1, so Σ_keys dV = Σ_queries dO.
     - Σ dX = dbq Wq (dX = dQ Wq, dbq = Σ dQ), Σ dT = dbk Wk + dbv Wv; <dX, X> = <dWq, Wq>,
@@ -15,11 +17,18 @@ def assert_gradient_identities(inputs, grads, *, num_heads, text_lengths=None, r
     - Y is linear in (Wo, bo): <dWo, Wo> + <dbo, bo> = <dY, Y>; Y − bo in (Wv, bv): <dWv, Wv> +
       <dbv, bv> = <dY, Y − bo>.
     - S is unchanged when Q is scaled by t and K by 1/t: <dWq, Wq> + <dbq, bq> = <dWk, Wk> + <dbk, bk>.
+    - Q scaled by t is the softmax scale s times t: <dWq, Wq> + <dbq, bq> = s dL/ds, by a central
+      difference of the forward (this one sees dS's size and sign, which the others do not).
     """
-    a = {name: numpy.asarray(x, numpy.float64) for name, x in inputs.items()}
+    a = {name: numpy.asarray(inputs[name], numpy.float64) for name in INPUT_NAMES}
     g = {name: numpy.asarray(x, numpy.float64) for name, x in grads._asdict().items()}
-    Y = reference.forward(*(a[name] for name in list(a)[1:]), num_heads=num_heads, text_lengths=text_lengths)
-    dY = a["grad_output"]
+    scale = 1.0 / numpy.sqrt(a["video_latents"].shape[-1] // num_heads) if scale is None else scale
+
+    def forward(s):
+        return reference.forward(*(a[name] for name in INPUT_NAMES[1:]), s, num_heads=num_heads,
+                                 text_lengths=text_lengths)
+
+    Y, dY = forward(scale), a["grad_output"]
 
     def close(got, want, label):
         size = max(numpy.abs(want).max(initial=0.0), 1.0)
@@ -49,3 +58,7 @@ def assert_gradient_identities(inputs, grads, *, num_heads, text_lengths=None, r
              inner((g["grad_key_weight"], a["key_weight"]), (g["grad_value_weight"], a["value_weight"])),
              "<dT, T> = <dWk, Wk> + <dWv, Wv>")]:
         assert abs(got - want) <= rtol * max(got_size, want_size, 1.0), (label, got, want)
+    h = 1e-5
+    ds = (numpy.vdot(dY, forward(scale * (1 + h))) - numpy.vdot(dY, forward(scale * (1 - h)))) / (2 * h)
+    got = inner((g["grad_query_weight"], a["query_weight"]), (g["grad_query_bias"], a["query_bias"]))[0]
+    assert abs(got - ds) <= 1e-7 * max(inner((dY, Y))[1], 1.0), ("Q t = s t", got, ds)

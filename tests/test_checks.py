@@ -254,14 +254,16 @@ def test_errors_come_before_any_work_and_inputs_stay_untouched(arrays, monkeypat
     bad = dict(arrays, value_weight=arrays["value_weight"][:, :3])
     with pytest.raises(ValueError, match="value_weight has shape"):
         cross_attention_backward(*bad.values(), num_heads=H, backend="numpy")
-    # backend="cupy" would need a GPU; it is validated before CuPy is even imported: here CuPy is
-    # neither imported nor importable (an import raises ImportError).
+    # backend="cupy" would need a GPU; it is validated before CuPy is even imported: here CuPy (and
+    # cupyx, cupy_backends) is neither imported nor importable (an import raises ImportError).
+    blocked = lambda name: name.partition(".")[0] in ("cupy", "cupyx", "cupy_backends")  # noqa: E731
+
     class NoCupy:
         def find_spec(self, name, path=None, target=None):
-            if name == "cupy" or name.startswith("cupy."):
+            if blocked(name):
                 raise ImportError(f"{name} blocked by the test")
 
-    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
+    for name in [n for n in sys.modules if blocked(n)]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [NoCupy(), *sys.meta_path])
     with pytest.raises(ValueError, match="value_weight has shape"):
