@@ -60,15 +60,15 @@ def probe_attention(shape, precision):
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
     # K0 | V0 in fp16 too where the backward reads it so (attention_bwd.half_kv): at s_KV = alpha /
     # (inv_t · inv_w) in the fp16 mode, at a given 1 / s_KV in tf32 (as the conversion leaves it).
-    kv_halves = (False, True) if attention_bwd.half_kv(problem, precision, sm_count) else (False,)
+    half = attention_bwd.half_kv(problem, precision, sm_count)
     kv0_half, kv_scale = None, None
-    if True in kv_halves:
+    if half:
         s_kv = (attention_bwd.kv_half_alpha(hidden) / float(o_scales[0] * o_scales[1]) if o_half
                 else 2.0 ** (13 - numpy.floor(numpy.log2(float(cupy.abs(kv0).max())))))
         kv0_half = (kv0 * s_kv).astype(numpy.float16)
         kv_scale = None if o_half else cupy.array([1 / s_kv], numpy.float32)
     for o_transposed, kv_half, lengths in itertools.product(
-            (False, True) if precision == "tf32" else (False,), kv_halves,
+            (False, True) if precision == "tf32" else (False,), (False, True) if half else (False,),
             (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
         backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed,
                                                    o_half=o_half, kv_half=kv_half)

@@ -22,7 +22,7 @@ def assert_gradient_identities(inputs, grads, *, num_heads, scale=None, text_len
     """
     a = {name: numpy.asarray(inputs[name], numpy.float64) for name in INPUT_NAMES}
     g = {name: numpy.asarray(x, numpy.float64) for name, x in grads._asdict().items()}
-    scale = 1.0 / numpy.sqrt(a["video_latents"].shape[-1] // num_heads) if scale is None else scale
+    scale = reference._resolve_scale(scale, a["video_latents"].shape[-1], num_heads)  # a number: s (1 ± h) below
 
     def forward(s):
         return reference.forward(*(a[name] for name in INPUT_NAMES[1:]), s, num_heads=num_heads,
@@ -38,6 +38,7 @@ def assert_gradient_identities(inputs, grads, *, num_heads, scale=None, text_len
         return (sum(float(numpy.vdot(x, y)) for x, y in pairs),
                 sum(float(numpy.vdot(numpy.abs(x), numpy.abs(y))) for x, y in pairs))
 
+    query_side = inner((g["grad_query_weight"], a["query_weight"]), (g["grad_query_bias"], a["query_bias"]))
     close(g["grad_output_bias"], dY.sum((0, 1)), "dbo = Σ dY")
     close(g["grad_value_bias"], g["grad_output_bias"] @ a["output_weight"], "dbv = dbo Wo")
     close(g["grad_video_latents"].sum((0, 1)), g["grad_query_bias"] @ a["query_weight"], "Σ dX = dbq Wq")
@@ -49,8 +50,7 @@ def assert_gradient_identities(inputs, grads, *, num_heads, scale=None, text_len
              inner((dY, Y)), "Y linear in Wo, bo"),
             (inner((g["grad_value_weight"], a["value_weight"]), (g["grad_value_bias"], a["value_bias"])),
              inner((dY, Y - a["output_bias"])), "Y - bo linear in Wv, bv"),
-            (inner((g["grad_query_weight"], a["query_weight"]), (g["grad_query_bias"], a["query_bias"])),
-             inner((g["grad_key_weight"], a["key_weight"]), (g["grad_key_bias"], a["key_bias"])),
+            (query_side, inner((g["grad_key_weight"], a["key_weight"]), (g["grad_key_bias"], a["key_bias"])),
              "S invariant under Q t, K / t"),
             (inner((g["grad_video_latents"], a["video_latents"])), inner((g["grad_query_weight"], a["query_weight"])),
              "<dX, X> = <dWq, Wq>"),
@@ -60,5 +60,4 @@ def assert_gradient_identities(inputs, grads, *, num_heads, scale=None, text_len
         assert abs(got - want) <= rtol * max(got_size, want_size, 1.0), (label, got, want)
     h = 1e-5
     ds = (numpy.vdot(dY, forward(scale * (1 + h))) - numpy.vdot(dY, forward(scale * (1 - h)))) / (2 * h)
-    got = inner((g["grad_query_weight"], a["query_weight"]), (g["grad_query_bias"], a["query_bias"]))[0]
-    assert abs(got - ds) <= 1e-7 * max(inner((dY, Y))[1], 1.0), ("Q t = s t", got, ds)
+    assert abs(query_side[0] - ds) <= 1e-7 * max(inner((dY, Y))[1], 1.0), ("Q t = s t", query_side[0], ds)
