@@ -147,6 +147,12 @@ def o_t_stride(rows):
     return _padded(rows, 32)
 
 
+def dq_sums_rows(batch_size, num_video_tokens):
+    """Rows of the dQ column sums that the kernel writes with dq_transposed: one per 16 query rows of
+    a sample (each warp's rows)."""
+    return batch_size * -(-num_video_tokens // 16)
+
+
 def check_head_dim(problem):
     if problem.head_dim not in HEAD_DIMS:
         raise ValueError(f"the CuPy backend supports head_dim {' or '.join(map(str, HEAD_DIMS))}; got hidden size "
@@ -227,6 +233,9 @@ class AttentionBackward:
         scales: the significands of TF32, kernels_cu/attention_common.cuh).
     sm_count : multiprocessors of the GPU, for the grid.
     o_transposed : write O as O^T, D rows of B·Nv with row stride ``o_t_stride(B·Nv)`` (ATTN_O_TRANSPOSED).
+    dq_transposed : with o_transposed and one key part (launch_layout), also write dQ^T, laid out as
+        O^T, and dQ's column sums by 16 rows of a sample (ATTN_DQ_TRANSPOSED): the tf32 mode's dWq
+        and dbq read them, with no transposed copy of dQ.
     o_half : write O as fp16, O · s_O, at a power-of-two scale set from a bound on |V| (ATTN_O_HALF,
         the operand of dWo in the fp16 and fp32 modes, where the fp32 mode's kernel also writes its
         fp16 remainder, at 2^11 times that scale: attention_bwd.cu's O_LO_SCALE): calls then pass
@@ -250,7 +259,7 @@ class AttentionBackward:
                                     + (kv_parts if kv_parts > 1 else 0) * p.batch_size * p.num_video_tokens)
 
     def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_parts=True,
-                 kv_half=False):
+                 kv_half=False, dq_transposed=False):
         check_head_dim(problem)
         if o_half and (o_transposed or precision not in ("fp16", "fp32")):
             raise ValueError(f"an fp16 O is written row-major in the fp16 and fp32 modes, not with "
@@ -265,6 +274,10 @@ class AttentionBackward:
         layout = launch_layout(problem, precision, sm_count)
         (name, keys, rows, self._smem_bytes, blocks_per_sm, self.n_chunks, self.tiles_per_chunk, split,
          self.kv_parts) = layout
+        if dq_transposed and not (o_transposed and self.kv_parts == 1):
+            raise ValueError(f"dQ^T is written beside O^T (o_transposed={o_transposed}) where dQ is not split over "
+                             f"key parts (here {self.kv_parts})")
+        self.dq_transposed = dq_transposed
         self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
         if self.wgmma or kv_half:
             self._smem_bytes = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split, self.wgmma,
@@ -278,7 +291,7 @@ class AttentionBackward:
                    "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
                    "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma), "ATTN_KV_HALF": int(kv_half),
-                   "ATTN_KV_PARTS": self.kv_parts}
+                   "ATTN_KV_PARTS": self.kv_parts, "ATTN_DQ_TRANSPOSED": int(dq_transposed)}
         self._main = kernels.get_kernel(SOURCE, name, defines, arch)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -312,7 +325,7 @@ class AttentionBackward:
         return self._dq_part
 
     def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None, o_lo=None,
-                 kv_scale=None):
+                 kv_scale=None, dq_t=None, dq_sums=None):
         """Launch on the current stream.
 
         Parameters
@@ -340,6 +353,10 @@ class AttentionBackward:
             (O · s_O − fp16(O · s_O)) · 2^11, go (attention_bwd.cu's O_LO_SCALE says why).
         kv_scale : with kv_half in the tf32 mode (and only then), the device address of 1 / s_KV
             (float32, a power of two: the conversion's inverse scale, half_scaling.py).
+        dq_t, dq_sums : with dq_transposed (and only then), device addresses of dQ^T (float32, laid out
+            as O^T; its columns from B·Nv on are not written) and of dQ's column sums, float32
+            (dq_sums_rows(B, Nv), D): row b·⌈Nv/16⌉ + k holds the sums of rows [16k, 16k + 16) of
+            sample b (rows past Nv count as 0).
         """
         p = self.problem
         if (kv0.dtype == numpy.float16) != self.kv_half:
@@ -350,6 +367,8 @@ class AttentionBackward:
             raise ValueError(f"o_scales ({', '.join(O_SCALES)}) goes with o_half, and only with it")
         if (o_lo is None) == self._o_lo:
             raise ValueError("o_lo (O's fp16 remainder) goes with o_half in the fp32 mode, and only with it")
+        if (dq_t is None or dq_sums is None) == self.dq_transposed or (dq_t is None) != (dq_sums is None):
+            raise ValueError("dq_t and dq_sums go with dq_transposed, and only with it")
         o_address = int(o) if isinstance(o, (int, numpy.integer)) else o.data.ptr
         lo_offset = 0 if o_lo is None else int(o_lo) - o_address
         if lo_offset % 8:
@@ -366,7 +385,8 @@ class AttentionBackward:
              numpy.int32(p.num_text_tokens), numpy.int32(p.hidden_size), numpy.int32(self._ld_o),
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
             + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES)))
-            + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0)),
+            + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0), numpy.uint64(dq_t or 0),
+               numpy.uint64(dq_sums or 0)),
             shared_mem=self._smem_bytes)
         if self._reduce is not None:
             for parts, total, n4, grid in zip((self._dkv_part, self._dq_part), (dkv, dq), self._n4, self._reduce_grids):

@@ -47,7 +47,7 @@ import numpy
 from . import _cublas
 from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
-from .attention_bwd import AttentionBackward, half_kv, kv_half_alpha, launch_layout, o_t_stride
+from .attention_bwd import AttentionBackward, dq_sums_rows, half_kv, kv_half_alpha, launch_layout, o_t_stride
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler, column_sum_rows
 from .transpose import Transposed
@@ -96,15 +96,24 @@ def _summed_shape(precision, n_parts, shape):
     return (0,) if _half_mode(precision) and n_parts > 1 else shape
 
 
-def _tf32_shapes(mv, mt, d):
+def _dq_transposed(problem, precision, sm_count):
+    """Whether the attention writes dQ^T and dQ's column sums itself (AttentionBackward's
+    dq_transposed): the tf32 mode where [dWo | dWq] read transposes, with dQ whole (one key part)."""
+    video_tn = _weight_grads_tn(precision, problem.batch_size * problem.num_video_tokens,
+                                problem.batch_size * problem.num_text_tokens)[0]
+    return video_tn and launch_layout(problem, precision, sm_count)[8] == 1
+
+
+def _tf32_shapes(mv, mt, d, dq_sum_rows=0):
     """The tf32 schedule's own float32 buffers (_record_tf32), name -> shape, None where the
-    pairs that _weight_grads_tn leaves "nt" need none."""
+    pairs that _weight_grads_tn leaves "nt" need none. ``dq_sum_rows``: the rows of dQ's column
+    sums where the attention writes them (dq_sums_rows), beside dY's by the transpose's row blocks."""
     video_tn, text_tn = _weight_grads_tn("tf32", mv, mt)
     tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
     return {"wo_t": (d, d), "wqkv_t": (d, 3 * d),
             "video_t": (3, d, o_t_stride(mv)) if video_tn else None,  # X^T, dY^T, dQ^T
             "text_t": (3 * d, o_t_stride(mt)) if text_tn else None,  # T^T, then [dK | dV]^T
-            "video_sums": (2, tiles_v, d) if video_tn else None,  # column sums of dY, dQ by row blocks
+            "video_sums": (2, max(tiles_v, dq_sum_rows), d) if video_tn else None,  # partial column sums of dY, dQ
             "text_sums": (tiles_t, 2 * d) if text_tn else None}  # ... of [dK | dV]
 
 
@@ -235,7 +244,8 @@ class Backward:
         kv_half = half_kv(problem, precision, sm_count)
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
                                             o_half=_half_mode(precision), reduce_parts=not _half_mode(precision),
-                                            kv_half=kv_half)
+                                            kv_half=kv_half, dq_transposed=_dq_transposed(problem, precision, sm_count))
+        self._dq_t = None, None  # dQ^T and dQ's column sums where the attention writes them (_record_tf32)
         self._q0, self._dout = f32(mv, d), f32(mv, d)
         kv0_dtype, kv0_copy = _kv0_buffers(precision, kv_half)
         self._kv0 = cupy.empty((mt, 2 * d), kv0_dtype)
@@ -287,7 +297,8 @@ class Backward:
         if _half_mode(precision):  # the conversions' partial column sums of dY; dQ, [dK | dV]
             fp16 += 4 * sum(rows * cols for stage in _conversion_shapes(mv, mt, d)
                             for rows, cols in _column_sum_shapes(stage, sm_count))
-        transposed = (4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d).values() if shape)
+        dq_sum_rows = dq_sums_rows(b, nv) if _dq_transposed(problem, precision, sm_count) else 0
+        transposed = (4 * sum(math.prod(shape) for shape in _tf32_shapes(mv, mt, d, dq_sum_rows).values() if shape)
                       if precision == "tf32" else 0)
         return (fp32 + fp16 + transposed + AttentionBackward.workspace_bytes(problem, precision, sm_count)
                 + _LANES * _cublas.Handle.WORKSPACE_BYTES)
@@ -418,9 +429,10 @@ class Backward:
         """The tf32 schedule: GEMMs read both operands K-major where it pays (transpose.cu says why).
 
         W^T copies for dO, dX and dT. The weight-gradient pairs that _weight_grads_tn picks read
-        the transposes of both operands: O^T from the attention kernel, X^T, dY^T and T^T made
-        beside the attention (they read inputs only), dQ^T and [dK | dV]^T after it, each on the
-        lane of the GEMM that reads it. Their K runs over the padded length (a multiple of 32,
+        the transposes of both operands: O^T from the attention kernel (and dQ^T with its column
+        sums, where dQ is whole: _dq_transposed), X^T, dY^T and T^T made beside the attention (they
+        read inputs only), [dK | dV]^T (and dQ^T elsewhere) after it, each on the lane of the GEMM
+        that reads it. Their K runs over the padded length (a multiple of 32,
         zeros past B·N): cuBLAS's "tn" kernels for B·N ≡ 2 (mod 4) took 1.5-2× as long.
         The transposes of dY, dQ and [dK | dV] also write column sums by blocks of rows, which
         ones-row GEMMs (fp32) add up to the bias gradients; without them, ones-row GEMMs over the
@@ -428,7 +440,9 @@ class Backward:
         """
         cupy = import_cupy()
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)
-        shapes = _tf32_shapes(mv, mt, d)
+        dq_transposed = self._attention.dq_transposed
+        p = self.problem
+        shapes = _tf32_shapes(mv, mt, d, dq_sums_rows(p.batch_size, p.num_video_tokens) if dq_transposed else 0)
 
         def buffer(name, make=cupy.empty):  # None where the schedule needs none (shape None)
             return None if shapes[name] is None else make(shapes[name], numpy.float32)
@@ -436,9 +450,10 @@ class Backward:
         self._wo_t, self._wqkv_t = buffer("wo_t"), buffer("wqkv_t")
         # The transposes' padding columns stay zero (the "tn" products run over the padded K).
         self._video_t, self._text_t = buffer("video_t", cupy.zeros), buffer("text_t", cupy.zeros)
-        self._video_sums, self._text_sums = buffer("video_sums"), buffer("text_sums")
+        # dY's partial sums fill the first Transposed.row_tiles(B·Nv) rows; the rest stay zero.
+        self._video_sums, self._text_sums = buffer("video_sums", cupy.zeros), buffer("text_sums")
         video_tn, text_tn = self._video_t is not None, self._text_t is not None
-        tiles_v, tiles_t = Transposed.row_tiles(mv), Transposed.row_tiles(mt)
+        tiles_t = Transposed.row_tiles(mt)
         O, DQ, DKV = addr(self._o), addr(self._dq), addr(self._dkv)
         table = self._table
         at = lambda *entries: table.address(table.add(*entries))  # noqa: E731
@@ -460,6 +475,12 @@ class Backward:
             step("[K0 | V0] to fp16", copy, 1)
             step("fp16 rescale [K0 | V0]", rescale, 1)
         self._join()
+        if video_tn:
+            X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
+            sum_rows = self._video_sums.shape[1]
+            DY_SUMS, DQ_SUMS = (addr(self._video_sums, 4 * i * sum_rows * d) for i in range(2))
+            if dq_transposed:
+                self._dq_t = DQ_T, DQ_SUMS
         self._record_attention()
         # Beside the attention (issued after the join, so it does not wait for them); only their own
         # lanes read them, after the fork below.
@@ -467,8 +488,6 @@ class Backward:
             T_T, DK_T, DV_T = (addr(self._text_t, 4 * i * d * ldt) for i in range(3))
             step("T^T", Transposed(at("text_embeddings"), 1, T_T, mt, d, ld=ldt), 1)
         if video_tn:
-            X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
-            DY_SUMS, DQ_SUMS = (addr(self._video_sums, 4 * i * tiles_v * d) for i in range(2))
             step("X^T, dY^T", Transposed(at("video_latents", "grad_output"), 2, X_T, mv, d, ld=ldv,
                                          dst_step=d * ldv, sums=DY_SUMS, sum_from=1), 2)
 
@@ -477,8 +496,9 @@ class Backward:
         gemm([DQ], [addr(self._wqkv_t)], ["grad_video_latents"], m=mv, n=d, k=d, lda=d, ldb=3 * d, ldc=d,
              trans_b=True, sm_target=sms["dx"])
         if video_tn:  # dWo = dY^T (O^T)^T, dWq = dQ^T (X^T)^T
-            step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv, sums=DQ_SUMS), 2)
-            self._record_column_sums([DY_SUMS, DQ_SUMS], _VIDEO_BIASES, tiles_v, d, lane=2)
+            if not dq_transposed:  # else the attention wrote dQ^T and its sums
+                step("dQ^T", Transposed(at(DQ), 1, DQ_T, mv, d, ld=ldv, sums=DQ_SUMS), 2)
+            self._record_column_sums([DY_SUMS, DQ_SUMS], _VIDEO_BIASES, sum_rows, d, lane=2)
             gemm([DY_T, DQ_T], [O, X_T], ["grad_output_weight", "grad_query_weight"], m=d, n=d, k=ldv,
                  lda=ldv, ldb=ldv, ldc=d, trans_b=True, lane=2)
         else:
@@ -514,7 +534,7 @@ class Backward:
         if self._kv0_half is not None:
             kv0, kv_scale = self._kv0_half, self._kv_scaler.inverse_scale(0)
         attention, buffers = self._attention, (self._q0, kv0, biases, self._dout, o, self._dq, self._dkv,
-                                               self._text_lengths, o_scales, o_lo, kv_scale)
+                                               self._text_lengths, o_scales, o_lo, kv_scale, *self._dq_t)
         self._steps.append(("attention", lambda: attention(*buffers), 0))
 
     def _record_column_sums(self, sources, outputs, rows, ld, lane):

@@ -21,6 +21,11 @@
 //                     or in the fp16 and fp32 modes by the conversion that reads them, half_scaling.cu)
 //   dq with ATTN_KV_PARTS > 1: [ATTN_KV_PARTS, B·Nv, D], the parts of dQ over the parts of the keys
 //                     (summed the same ways)
+//   dq_t, dq_sums   : with ATTN_DQ_TRANSPOSED (the tf32 mode, where dWq = dQ^T X reads transposes):
+//                     dQ^T as well, laid out as O^T (D rows, stride ld_o), and the column sums of
+//                     dQ by blocks of 16 rows of a sample, [B·⌈Nv/16⌉, D], which a ones row adds up
+//                     to dbq. It saves the transposed copy of dQ after the kernel (read and write of
+//                     dQ, with its sums); null pointers in the other builds
 //   biases          : device array of the three bias addresses bq, bk, bv ([D] each; bk unread, below)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
 //                     dK and dV rows come out 0 (every row of dkv_part is still written). Their K
@@ -49,6 +54,9 @@
 #endif
 #ifndef ATTN_O_HALF
 #define ATTN_O_HALF 0
+#endif
+#ifndef ATTN_DQ_TRANSPOSED
+#define ATTN_DQ_TRANSPOSED 0
 #endif
 // bk and bv are never added to the key/value tiles (every build): bk shifts each row of S by a
 // constant (Q·bk), which the softmax takes out, and adds rowsum(dS)·bk = 0 to dQ; bv shifts each
@@ -93,6 +101,8 @@ static_assert(!ATTN_WGMMA || ATTN_KEYS > 0, "wgmma: the resident kernel only");
 static_assert(!ATTN_O_HALF || ((ATTN_HALF || ATTN_SPLIT3) && !ATTN_O_TRANSPOSED),
               "fp16 O: row-major, from the fp16-operand or the 3xTF32 build");
 static_assert(!ATTN_KV_HALF || ATTN_HALF, "fp16 K0 | V0: the fp16-operand build's");
+static_assert(!ATTN_DQ_TRANSPOSED || (ATTN_O_TRANSPOSED && ATTN_KV_PARTS == 1),
+              "dQ^T: beside O^T (its stride), and only where dQ is whole (one key part)");
 #if ATTN_KV_HALF
 typedef unsigned short kv_t;  // fp16 bits
 #else
@@ -271,11 +281,12 @@ struct HeadSlices {
     const kv_t *k, *v;
     o_t* o;
     float *dq, *dk, *dv;
+    float *dq_t, *dq_sums;  // ATTN_DQ_TRANSPOSED
 };
 
 __device__ __forceinline__ HeadSlices head_slices(const float* q0, const kv_t* kv0, const float* dout, o_t* o,
                                                   float* dq, float* dkv_part, int n_video, int n_text, int hidden,
-                                                  int ld_o) {
+                                                  int ld_o, float* dq_t, float* dq_sums) {
     const int chunk = blockIdx.x / ATTN_KV_PARTS, part = blockIdx.x % ATTN_KV_PARTS;
     const int head = blockIdx.y, batch = blockIdx.z;
     const long long ld_kv = 2LL * hidden, col = head * ATTN_HEAD_DIM;
@@ -289,7 +300,22 @@ __device__ __forceinline__ HeadSlices head_slices(const float* q0, const kv_t* k
     h.v = h.k + hidden;
     h.dk = dkv_part + ((long long)chunk * gridDim.z * n_text + (long long)batch * n_text) * ld_kv + col;
     h.dv = h.dk + hidden;
+    h.dq_t = ATTN_DQ_TRANSPOSED ? dq_t + col * ld_o + (long long)batch * n_video : nullptr;
+    h.dq_sums = ATTN_DQ_TRANSPOSED ? dq_sums + (long long)batch * ((n_video + 15) / 16) * hidden + col : nullptr;
     return h;
+}
+
+// This warp's 16 rows of dQ (its first NT·8 columns, dq_t and dq_sums already offset to them):
+// rows of dq, and with ATTN_DQ_TRANSPOSED columns of dQ^T and the rows' column sums, one row of
+// dq_sums for each 16 rows of the sample (row0, a multiple of 16: the warp's first row).
+template <int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void store_dq(float* dq, float* dq_t, float* dq_sums, int ld_t, int hidden, int row0,
+                                         int n_rows, const float c[NT][4], int g, int t) {
+    store_rows<NT>(dq, hidden, row0, n_rows, c, g, t);
+#if ATTN_DQ_TRANSPOSED
+    store_columns<NT>(dq_t, ld_t, row0, n_rows, c, g, t);
+    if (row0 < n_rows) column_sums<NT>(dq_sums + (long long)(row0 / 16) * hidden, row0, n_rows, c, g, t);
+#endif
 }
 
 // The fp32 mode's O remainder, O · s_O − fp16(O · s_O), is stored times 2^11. s_O comes from a
@@ -341,10 +367,7 @@ __device__ __forceinline__ void store_o(o_t* o, int ld, int row0, int n_rows, co
         }
     }
 #elif ATTN_O_TRANSPOSED
-    for_each_pair<NT>(row0, n_rows, c, g, t, [&](int row, int col, float x0, float x1) {
-        o[(long long)col * ld + row] = x0;
-        o[(long long)(col + 1) * ld + row] = x1;
-    });
+    store_columns<NT>(o, ld, row0, n_rows, c, g, t);
 #else
     store_rows<NT>(o, ld, row0, n_rows, c, g, t);
 #endif
@@ -418,7 +441,8 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
          float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
          int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t, const float* __restrict__ inv_w,
          const float* __restrict__ inv_bv, const float* __restrict__ inv_dy, float* __restrict__ inv_o,
-         float* __restrict__ alpha_o, long long o_lo_offset, const float* __restrict__ inv_kv) {
+         float* __restrict__ alpha_o, long long o_lo_offset, const float* __restrict__ inv_kv,
+         float* __restrict__ dq_t, float* __restrict__ dq_sums) {
     wait_for_inputs();
     constexpr int NT_KV = ATTN_BLOCK_KV / 8, NT_HD = ATTN_HEAD_DIM / 8;
     extern __shared__ float4 smem4[];
@@ -438,7 +462,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const float* bq = biases[0] + col;
     stage_value_bias(bv_s, biases[2] + col);  // read after pass 1's barriers
-    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
+    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -634,7 +658,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
         }
         unscale<NT_HD>(dq_acc, ds_run.s, k_run.s);
 
-        store_rows(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+        store_dq(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);
     }
 }
 
@@ -682,7 +706,8 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
                   int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
                   const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
                   const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o,
-                  long long o_lo_offset, const float* __restrict__ inv_kv) {
+                  long long o_lo_offset, const float* __restrict__ inv_kv, float* __restrict__ dq_t,
+                  float* __restrict__ dq_sums) {
     wait_for_inputs();
     constexpr int NK = ATTN_KEYS, ROW_WARPS = ATTN_BLOCK_Q / 16;
     constexpr int NT_K = NK / ATTN_KEY_SPLIT / 8, NT_HD = ATTN_HEAD_DIM / ATTN_KEY_SPLIT / 8;  // this warp's part
@@ -701,7 +726,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
-    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o);
+    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // (Without the split, part is 0 at compile time: as warp / ROW_WARPS, nvcc 13 kept the offsets
@@ -872,7 +897,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
             pin_accumulators<NK>(dk_acc);
             pin_accumulators<ATTN_HEAD_DIM>(dq_acc);
             unscale<NT_HD>(dq_acc, ds_run.s, s_k);
-            store_rows<NT_HD>(hs.dq, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);
         }
 #else
         store_ds<NT_K, LD_P>(ds_s + key0, dp, ds_run.s, r0, g, t,
@@ -883,7 +908,9 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
             zero<NT_HD>(dq_acc);
             rows_times_add<NK, NT_HD>(dq_acc, ds_s, LD_P, k_s + col0, r0, g, t);  // dQ = dS K
             unscale<NT_HD>(dq_acc, ds_run.s, s_k);
-            store_rows<NT_HD>(hs.dq + col0, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+            store_dq<NT_HD>(hs.dq + col0, ATTN_DQ_TRANSPOSED ? hs.dq_t + (long long)col0 * ld_o : nullptr,
+                            ATTN_DQ_TRANSPOSED ? hs.dq_sums + col0 : nullptr, ld_o, hidden, q_row0 + r0, n_video,
+                            dq_acc, g, t);
         }
 #endif
     }

@@ -819,4 +819,32 @@ __device__ __forceinline__ void store_rows(float* dst, long long ld, int row0, i
     });
 }
 
+// ... as columns of its transpose, [head_dim][ld] (dst already offset to the warp's first column).
+template <int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void store_columns(float* dst, long long ld, int row0, int n_rows, const float c[NT][4],
+                                              int g, int t) {
+    for_each_pair<NT>(row0, n_rows, c, g, t, [&](int row, int col, float x0, float x1) {
+        dst[(long long)col * ld + row] = x0;
+        dst[(long long)(col + 1) * ld + row] = x1;
+    });
+}
+
+// The column sums of those 16 rows (rows from n_rows on count as 0) into dst[0, NT·8): each quad
+// adds its two rows, three shuffles add the eight quads, and the first quad stores.
+template <int NT = ATTN_HEAD_DIM / 8>
+__device__ __forceinline__ void column_sums(float* dst, int row0, int n_rows, const float c[NT][4], int g, int t) {
+    const bool low = row0 + g < n_rows, high = row0 + g + 8 < n_rows;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        float x0 = (low ? c[n][0] : 0.f) + (high ? c[n][2] : 0.f);
+        float x1 = (low ? c[n][1] : 0.f) + (high ? c[n][3] : 0.f);
+#pragma unroll
+        for (int lanes = 4; lanes < 32; lanes *= 2) {
+            x0 += __shfl_xor_sync(0xffffffffu, x0, lanes);
+            x1 += __shfl_xor_sync(0xffffffffu, x1, lanes);
+        }
+        if (g == 0) *reinterpret_cast<float2*>(dst + n * 8 + 2 * t) = make_float2(x0, x1);
+    }
+}
+
 }  // namespace

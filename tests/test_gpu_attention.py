@@ -12,7 +12,8 @@ TOLERANCE = {"tf32": 5e-3, "fp16": 5e-3, "fp32": 2e-5}
 
 
 @pytest.mark.parametrize("precision, o_layout", [("tf32", "rows"), ("tf32", "transposed"), ("tf32", "rows, fp16 K0|V0"),
-                                                 ("tf32", "transposed, fp16 K0|V0"), ("fp16", "half"),
+                                                 ("tf32", "transposed, fp16 K0|V0"), ("tf32", "transposed, dQ^T"),
+                                                 ("tf32", "transposed, fp16 K0|V0, dQ^T"), ("fp16", "half"),
                                                  ("fp16", "half, fp16 K0|V0"), ("fp32", "rows"), ("fp32", "half")])
 @pytest.mark.parametrize("resident_rows, wgmma", [(64, True), (64, False), (128, False)])  # wgmma: sm_90 only
 @pytest.mark.parametrize("batch_size, n_video, n_text", [
@@ -35,6 +36,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     poison = lambda shape: cupy.full(shape, numpy.nan, numpy.float32)  # noqa: E731
     rows = batch_size * n_video
     o_transposed, o_half, kv_half = o_layout.startswith("transposed"), o_layout.startswith("half"), "K0" in o_layout
+    dq_transposed = "dQ^T" in o_layout  # dQ^T laid out as O^T, and dQ's column sums by 16 rows of a sample
     o = poison((hidden, attention_bwd.o_t_stride(rows))) if o_transposed else poison(q0.shape)  # tf32's O^T
     o_scales, half_scales, o_lo = None, None, None
     if o_half:  # fp16 O at the scale of a bound on |V|: here 2 · (2 to 4 · max|V0| + 1 to 2 · max|bv|)
@@ -55,8 +57,11 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     if kv_half and not attention_bwd.half_kv(problem, precision, sm_count):
         pytest.skip("an fp32 K0|V0 here (half_kv)")
+    if dq_transposed and attention_bwd.launch_layout(problem, precision, sm_count)[8] > 1:
+        pytest.skip("dQ in key parts here: no dQ^T from the kernel")
+    dq_t, dq_sums = poison(o.shape), poison((attention_bwd.dq_sums_rows(batch_size, n_video), hidden))
     kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half,
-                                             kv_half=kv_half)
+                                             kv_half=kv_half, dq_transposed=dq_transposed)
     _poison_partials(kernel)
     kv0_in, kv_scale = cupy.asarray(kv0), None
     if kv_half:  # [K0 | V0] · s_KV in fp16; the reference takes the rounded values
@@ -70,7 +75,17 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
         assert 2.0 ** (2 if o_half else 13) <= numpy.abs(kv0).max() * s_kv <= 2.0 ** (3 if o_half else 14)
     kernel(cupy.asarray(q0), kv0_in, bias_table.data.ptr, cupy.asarray(dout), o, dq, dkv,
            o_scales=o_scales, o_lo=None if o_lo is None else o_lo.data.ptr,
-           kv_scale=None if kv_scale is None else kv_scale.data.ptr)
+           kv_scale=None if kv_scale is None else kv_scale.data.ptr,
+           dq_t=dq_t.data.ptr if dq_transposed else None, dq_sums=dq_sums.data.ptr if dq_transposed else None)
+    if dq_transposed:  # dQ^T holds dQ's bits, its padding columns are left alone; the sums are of dQ's rows
+        got_dq_t = cupy.asnumpy(dq_t)
+        assert numpy.array_equal(got_dq_t[:, :rows].T, cupy.asnumpy(dq)) and numpy.isnan(got_dq_t[:, rows:]).all()
+        blocks = -(-n_video // 16)
+        padded = numpy.zeros((batch_size, blocks * 16, hidden))
+        padded[:, :n_video] = cupy.asnumpy(dq).reshape(batch_size, n_video, hidden)
+        want = padded.reshape(batch_size * blocks, 16, hidden).sum(axis=1)
+        got = cupy.asnumpy(dq_sums)  # fp32 sums of 16: within 16 roundings of the largest element
+        assert numpy.abs(got - want).max() <= 1e-5 * numpy.abs(padded).max() + 1e-30, numpy.abs(got - want).max()
 
     f64 = lambda a, n: a.astype(numpy.float64).reshape(batch_size, n, -1)  # noqa: E731
     q = f64(q0, n_video) + bq

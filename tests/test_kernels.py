@@ -55,7 +55,13 @@ def test_every_kernel_compiles(filename, arch):
                                      {"ATTN_KV_PARTS": 3, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1},
                                      {"ATTN_KV_PARTS": 2, "ATTN_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_O_TRANSPOSED": 1},
                                      {"ATTN_KV_PARTS": 8, "ATTN_HALF": 1, "ATTN_HEAD_DIM": 128},
-                                     {"ATTN_KV_PARTS": 7, "ATTN_SPLIT3": 1, "ATTN_O_HALF": 1}])
+                                     {"ATTN_KV_PARTS": 7, "ATTN_SPLIT3": 1, "ATTN_O_HALF": 1},
+                                     # dQ^T beside dQ (the tf32 mode): resident, split keys, streamed
+                                     {"ATTN_HALF": 1, "ATTN_O_TRANSPOSED": 1, "ATTN_DQ_TRANSPOSED": 1, "ATTN_KEYS": 80},
+                                     {"ATTN_HALF": 1, "ATTN_KEYS": 96, "ATTN_KEY_SPLIT": 2, "ATTN_RESIDENT_MIN_BLOCKS": 1,
+                                      "ATTN_O_TRANSPOSED": 1, "ATTN_DQ_TRANSPOSED": 1},
+                                     {"ATTN_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_O_TRANSPOSED": 1, "ATTN_DQ_TRANSPOSED": 1,
+                                      "ATTN_BLOCK_KV": 64}])
 def test_attention_kernel_variants_compile(defines, arch):
     # The 3xTF32 split (ATTN_SPLIT3) and the resident kernel (ATTN_KEYS) are other programs.
     cubin = kernels.compile_cubin("attention_bwd.cu", arch, defines)
@@ -70,7 +76,15 @@ def test_key_parts_are_the_streamed_kernels_alone(defines):
         kernels.compile_cubin("attention_bwd.cu", "sm_90", defines)
 
 
+@pytest.mark.parametrize("defines", [{"ATTN_HALF": 1, "ATTN_DQ_TRANSPOSED": 1},
+                                     {"ATTN_HALF": 1, "ATTN_O_TRANSPOSED": 1, "ATTN_DQ_TRANSPOSED": 1, "ATTN_KV_PARTS": 2}])
+def test_dq_transposed_goes_beside_o_transposed_with_one_key_part(defines):
+    with pytest.raises(kernels.CompileError, match="dQ\\^T"):
+        kernels.compile_cubin("attention_bwd.cu", "sm_90", defines)
+
+
 @pytest.mark.parametrize("defines", [{"ATTN_KEYS": 80}, {"ATTN_KEYS": 16}, {"ATTN_KEYS": 48, "ATTN_O_TRANSPOSED": 1},
+                                     {"ATTN_KEYS": 80, "ATTN_O_TRANSPOSED": 1, "ATTN_DQ_TRANSPOSED": 1},
                                      {"ATTN_KEYS": 80, "ATTN_O_HALF": 1}, {"ATTN_KEYS": 80, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1}])
 def test_wgmma_attention_compiles_for_sm_90a(defines):
     # ATTN_WGMMA: the resident kernel's products as warpgroup MMAs, which only sm_90a has.

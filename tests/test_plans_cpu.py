@@ -753,12 +753,20 @@ def _weight_grad_operands(program, calls, d):
             for args in calls if args[2:4] == (d, d) and args[15] == d and args[16] == 2}
 
 
-def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_attention(gpu, monkeypatch):
+@pytest.mark.parametrize("attention_writes_dq_t", [True, False])
+def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_attention(gpu, monkeypatch,
+                                                                                       attention_writes_dq_t):
+    # dQ^T and its column sums come from the attention where dQ is whole (one key part), else from a
+    # transposed copy after it.
+    from cupy_xattn import backward
     from cupy_xattn.transpose import Transposed
-    from cupy_xattn.attention_bwd import o_t_stride
+    from cupy_xattn.attention_bwd import dq_sums_rows, o_t_stride
     from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     b, nv, nt, d = 2, 70, 20, 128
+    if not attention_writes_dq_t:
+        monkeypatch.setattr(backward, "_dq_transposed", lambda *args: False)
     program, entries, (main, side1, side2), calls = _recorded_program(gpu, monkeypatch, b * nt)
+    assert program._attention.dq_transposed == attention_writes_dq_t
     products = [args for args in calls if args[-1] == COMPUTE_32F_FAST_TF32]
     assert len(products) == 6 and all(args[:2] == (OP_T, OP_N) for args in products)  # row-major a · b^T
 
@@ -772,27 +780,38 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
                                                       [program._o.data.ptr, x_t]),
         ("grad_key_weight", "grad_value_weight"): (ldt, ldt, ldt, OP_T, OP_N, [dk_t, dv_t], [t_t, t_t])}
 
-    # The bias gradients: ones-row GEMMs over the column sums by blocks of 64 rows that the transposes
-    # of dY (the second of X^T, dY^T), dQ and [dK | dV] write.
+    # The bias gradients: ones-row GEMMs over the column sums by blocks of rows: 64 of B·Nv in the
+    # transposes of dY (the second of X^T, dY^T) and of [dK | dV], 16 of a sample's Nv in the
+    # attention's dQ (else 64 of B·Nv in dQ^T's transpose). dY's and dQ's sums are one batched GEMM
+    # over as many rows as the longer has (dY's past its own are zeros).
     sums = {tuple(_table_entries(program, args[6], 2)): (args[4], args[8])
             for args in calls if args[3] == 1}  # cuBLAS's n = 1: the row-major ones row is our m
     ones, tiles_v, tiles_t = program._ones.data.ptr, -(-b * nv // 64), -(-b * nt // 64)
+    video_rows = dq_sums_rows(b, nv) if attention_writes_dq_t else tiles_v
+    assert program._video_sums.shape == (2, video_rows, d) and video_rows == (10 if attention_writes_dq_t else 3)
     video_sums, text_sums = program._video_sums.data.ptr, program._text_sums.data.ptr
-    assert sums == {(video_sums, video_sums + 4 * tiles_v * d): (tiles_v, d),
-                    (text_sums, text_sums + 4 * d): (tiles_t, 2 * d)}
+    dq_sums = video_sums + 4 * video_rows * d
+    assert sums == {(video_sums, dq_sums): (video_rows, d), (text_sums, text_sums + 4 * d): (tiles_t, 2 * d)}
     assert all(_table_entries(program, args[9], 1) == [ones] for args in calls if args[3] == 1)
     sum_args = [launch._args[-2:] for _, launch, _ in program._steps if isinstance(launch, Transposed)]
     assert [(int(address), int(first)) for address, first in sum_args if address] == [
-        (video_sums, 1), (video_sums + 4 * tiles_v * d, 0), (text_sums, 0)]
+        (video_sums, 1)] + [(dq_sums, 0)] * (not attention_writes_dq_t) + [(text_sums, 0)]
 
     attention = next(i for i, e in enumerate(entries) if e[0] == "kernel" and e[1].startswith("attn_bwd"))
+    assert [int(a) for a in entries[attention][3][-2:]] == ([dq_t, dq_sums] if attention_writes_dq_t else [0, 0])
+    assert entries[attention][3][4] is program._o
     transposes = [(i, e[2]) for i, e in enumerate(entries) if e[:2] == ("kernel", "transposed_copies")]
-    # Wo^T, [Wq^T | Wk^T | Wv^T] before the attention; T^T and X^T, dY^T beside it; dQ^T, [dK | dV]^T after it.
-    assert [lane for _, lane in transposes] == [main, side1, side1, side2, side2, side1]
+    # Wo^T, [Wq^T | Wk^T | Wv^T] before the attention; T^T and X^T, dY^T beside it; dQ^T (where the
+    # attention does not write it) and [dK | dV]^T after it.
+    assert [lane for _, lane in transposes] == [main, side1, side1, side2] + [side2] * (not attention_writes_dq_t) + [
+        side1]
     assert transposes[1][0] < attention < transposes[2][0]
-    # What reads the attention's outputs on a side lane waits for it: dQ^T on lane 2, dT on lane 1.
-    d_t = next(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side1 and i > attention)
-    for side, first_reader in ((side2, transposes[4][0]), (side1, d_t)):
+    # What reads the attention's outputs on a side lane waits for it: on lane 2 dQ^T's transpose or
+    # else the bias sums, on lane 1 dT.
+    first_gemm = lambda lane: next(i for i, e in enumerate(entries)  # noqa: E731
+                                   if e[0] == "gemm" and e[2] == lane and i > attention)
+    readers = [(side2, first_gemm(side2) if attention_writes_dq_t else transposes[4][0]), (side1, first_gemm(side1))]
+    for side, first_reader in readers:
         assert any(attention < i < first_reader for i in _waits_for(entries, side, main))
 
 
@@ -846,9 +865,10 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
     # copy's remainder goes), dWo reads it; the inverse scales of T, [Wk; Wv], bv, dY and O are the
     # scaler's (O's written by the attention, with dWo's alpha).
     from cupy_xattn.backward import _BV, _DY, _O, _T, _WKV
-    (o_arg, *scale_args, lo_offset, kv_scale), = [e[3][4:5] + e[3][-8:] for e in entries
-                                                  if e[0] == "kernel" and e[1].startswith("attn_bwd")]
+    (o_arg, *scale_args, lo_offset, kv_scale, dq_t, dq_sums), = [e[3][4:5] + e[3][-10:] for e in entries
+                                                                 if e[0] == "kernel" and e[1].startswith("attn_bwd")]
     assert int(kv_scale) == 0  # the half modes' K0|V0 scale comes from T's and [Wk; Wv]'s
+    assert int(dq_t) == int(dq_sums) == 0  # dQ^T: the tf32 mode's
     halves = stage_b[n:2 * n]  # the copies' destinations
     o_copy = halves[0] - 2 * -(-140 * d // 128) * 128  # the copy just before dQ's
     assert int(o_arg) == o_copy
@@ -1018,6 +1038,32 @@ def test_the_k0_v0_scale_address_goes_with_the_tf32_modes_fp16_k0_v0_only(gpu, p
     with pytest.raises(ValueError, match="kv_scale"):
         attention(f32(140, 256), kv0, 0, f32(140, 256), o, f32(140, 256), f32(162, 512),
                   o_scales=(0,) * 6 if o_half else None, kv_scale=kv_scale)
+
+
+@pytest.mark.parametrize("shape, o_transposed", [((2, 70, 77), False), ((2, 70, 77), True), ((2, 70, 81), True)])
+def test_the_attention_writes_dq_t_beside_o_t_where_dq_is_whole(gpu, shape, o_transposed):
+    # At D = 256: (2, 70, 77) runs the resident kernel (one key part); (2, 70, 81) the streamed one on
+    # a grid small enough for dQ to come in key parts.
+    from cupy_xattn.attention_bwd import AttentionBackward, launch_layout
+    from cupy_xattn.checks import Problem
+    problem = Problem(*shape, 256, 4, 64, 0.125)
+    whole = launch_layout(problem, "tf32", 132)[8] == 1
+    assert whole == (shape[2] == 77)
+    if not (o_transposed and whole):
+        with pytest.raises(ValueError, match="dQ\\^T is written beside O\\^T"):
+            AttentionBackward(problem, "tf32", 132, o_transposed=o_transposed, dq_transposed=True)
+        return
+    attention = AttentionBackward(problem, "tf32", 132, o_transposed=True, dq_transposed=True)
+    assert attention._main.defines["ATTN_DQ_TRANSPOSED"] == 1
+    f32 = lambda *shape: FakeArray(shape)  # noqa: E731
+    args = f32(140, 256), f32(154, 512), 0, f32(140, 256), f32(256, 160), f32(140, 256), f32(154, 512)
+    for dq_t, dq_sums in ((None, None), (64, None), (None, 64)):
+        with pytest.raises(ValueError, match="dq_t and dq_sums go with dq_transposed"):
+            attention(*args, dq_t=dq_t, dq_sums=dq_sums)
+    plain = AttentionBackward(problem, "tf32", 132, o_transposed=True)
+    assert plain._main.defines["ATTN_DQ_TRANSPOSED"] == 0
+    with pytest.raises(ValueError, match="dq_t and dq_sums go with dq_transposed"):
+        plain(*args, dq_t=64, dq_sums=64)
 
 
 @pytest.mark.parametrize("hidden", [1, 2, 64, 1000, 1024, 1025, 5120])
