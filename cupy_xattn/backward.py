@@ -13,7 +13,8 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
 In the tf32 mode the projections read both operands K-major, what sm_90's TF32 tensor cores read
 at full speed (``transpose.py``): dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv],
 and the weight-gradient pairs over enough rows (``_weight_grads_tn``) read dY^T, O^T (written so
-by the attention kernel), dQ^T, X^T, [dK | dV]^T and T^T, as dWo = dY^T (O^T)^T and so on.
+by the attention kernel), dQ^T (the kernel's too, with its column sums, where dQ is whole:
+``_dq_transposed``), X^T, [dK | dV]^T and T^T, as dWo = dY^T (O^T)^T and so on.
 
 Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operands copied to fp16
 with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
@@ -26,9 +27,9 @@ changes only the last bits of fp16-subnormal elements: half_scaling.cu).
 Independent GEMMs run side by side on three lanes (the main stream and two forked ones, each
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
 dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16, fp32: dWo beside the second conversion,
-as it reads the attention's fp16 O; tf32: dX; dQ^T, dbo|dbq then dWo|dWq;
-dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs made beside the
-attention; a pair without transposes has its bias sums on the main lane). On the small shapes
+as it reads the attention's fp16 O; tf32: dX; dQ^T (where the attention does not write it),
+dbo|dbq then dWo|dWq; dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs
+made beside the attention; a pair without transposes has its bias sums on the main lane). On the small shapes
 one GEMM fills a fraction of the SMs, so the lanes overlap what would otherwise run one after the
 other.
 

@@ -12,6 +12,8 @@ wrong; only the kernel's time means anything):
           bytes and pattern, wrong values): whether the O stores cost by where they stand (the
           mma.sync path's O stores are only removed)
   scales  the products not divided by their operands' scales (unscale a no-op)
+Where the tf32 schedule has the kernel write dQ^T and its column sums too (ATTN_DQ_TRANSPOSED), the
+dq-store trees take those with dQ, and stores_l2 redirects dQ^T as it does O^T (one helper).
 
 Usage:  python3 scripts/attention_ablation.py make .scratch/ab [TREE ...]  (here: base and the trees, or all)
         python3 scripts/attention_ablation.py run .scratch/ab [TREE ...]   (on the GPU: per-kernel traces
