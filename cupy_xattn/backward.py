@@ -102,7 +102,7 @@ def _dq_transposed(problem, precision, sm_count):
     dq_transposed): the tf32 mode where [dWo | dWq] read transposes, with dQ whole (one key part)."""
     video_tn = _weight_grads_tn(precision, problem.batch_size * problem.num_video_tokens,
                                 problem.batch_size * problem.num_text_tokens)[0]
-    return video_tn and launch_layout(problem, precision, sm_count)[8] == 1
+    return video_tn and launch_layout(problem, precision, sm_count).kv_parts == 1
 
 
 def _tf32_shapes(mv, mt, d, dq_sum_rows=0):

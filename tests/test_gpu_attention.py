@@ -58,7 +58,7 @@ def test_attention_kernel_matches_reference(batch_size, n_video, n_text, precisi
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     if kv_half and not attention_bwd.half_kv(problem, precision, sm_count):
         pytest.skip("an fp32 K0|V0 here (half_kv)")
-    if dq_transposed and attention_bwd.launch_layout(problem, precision, sm_count)[8] > 1:
+    if dq_transposed and attention_bwd.launch_layout(problem, precision, sm_count).kv_parts > 1:
         pytest.skip("dQ in key parts here: no dQ^T from the kernel")
     dq_t, dq_sums = poison(o.shape), poison((attention_bwd.dq_sums_rows(batch_size, n_video), hidden))
     kernel = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed, o_half=o_half,
