@@ -60,6 +60,7 @@ _LANES = 3  # the main stream and two forked streams
 _DT_SPLIT_ROWS = 96  # tf32 dT runs as two column halves below this many rows B·Nt (see _record)
 _TN_MIN_ROWS = 1024  # tf32 weight gradients over at least this many rows B·N read transposes (_record_tf32)
 _TN_MIN_TEXT_ROWS = 256  # ... and [dWk | dWv] from this many B·Nt, when [dWo | dWq] read transposes
+_DQ_T_MIN_VIDEO_TOKENS = 1024  # the attention writes dQ^T on samples this long (_dq_transposed)
 
 
 def _weight_grads_tn(precision, mv, mt):
@@ -99,10 +100,15 @@ def _summed_shape(precision, n_parts, shape):
 
 def _dq_transposed(problem, precision, sm_count):
     """Whether the attention writes dQ^T and dQ's column sums itself (AttentionBackward's
-    dq_transposed): the tf32 mode where [dWo | dWq] read transposes, with dQ whole (one key part)."""
+    dq_transposed): the tf32 mode where [dWo | dWq] read transposes, with dQ whole (one key part),
+    on samples of at least _DQ_T_MIN_VIDEO_TOKENS. The attention pays about the DRAM time of the
+    bytes it adds; beside the other lanes the transpose cost more than that only on the long
+    samples (Session 28: 1x4096x77 −5.3, 2x4096x77 −5.1, 2x2048x77 −2.2, 2x1024x77 −1.9 µs;
+    32x128x77 +5.4, 4x853x77 +4.8, 4x256x293 +2.0, 2x691x77 +1.8 on every sample size)."""
     video_tn = _weight_grads_tn(precision, problem.batch_size * problem.num_video_tokens,
                                 problem.batch_size * problem.num_text_tokens)[0]
-    return video_tn and launch_layout(problem, precision, sm_count).kv_parts == 1
+    return (video_tn and problem.num_video_tokens >= _DQ_T_MIN_VIDEO_TOKENS
+            and launch_layout(problem, precision, sm_count).kv_parts == 1)
 
 
 def _tf32_shapes(mv, mt, d, dq_sum_rows=0):

@@ -763,7 +763,9 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
     from cupy_xattn.attention_bwd import dq_sums_rows, o_t_stride
     from cupy_xattn.gemm import COMPUTE_32F_FAST_TF32, OP_N, OP_T
     b, nv, nt, d = 2, 70, 20, 128
-    if not attention_writes_dq_t:
+    if attention_writes_dq_t:  # on these short samples too
+        monkeypatch.setattr(backward, "_DQ_T_MIN_VIDEO_TOKENS", nv)
+    else:
         monkeypatch.setattr(backward, "_dq_transposed", lambda *args: False)
     program, entries, (main, side1, side2), calls = _recorded_program(gpu, monkeypatch, b * nt)
     assert program._attention.dq_transposed == attention_writes_dq_t
@@ -1129,6 +1131,19 @@ def test_tf32_weight_gradient_pairs_read_transposes_by_the_measured_rule(mv, mt,
     from cupy_xattn.backward import _weight_grads_tn
     assert _weight_grads_tn("tf32", mv, mt) == expected
     assert _weight_grads_tn("fp16", mv, mt) == _weight_grads_tn("fp32", mv, mt) == (False, False)
+
+
+def test_the_attention_writes_dq_t_on_the_suite_cases_with_long_samples(gpu):
+    # Session 28's A/B: dQ^T from the attention gained on Nv ≥ 1024 and lost elsewhere.
+    from cupy_xattn import cases
+    from cupy_xattn.backward import _dq_transposed
+    from cupy_xattn.checks import Problem
+    writes = {(c.batch_size, c.num_video_tokens, c.num_text_tokens) for c in cases.load_suite("sol-execbench")
+              if _dq_transposed(Problem(c.batch_size, c.num_video_tokens, c.num_text_tokens, 1024, 16, 64, 0.125),
+                                "tf32", 132)}
+    assert writes == {(1, 4096, 77), (2, 4096, 77), (2, 2048, 77), (2, 1024, 77)}
+    big = Problem(2, 4096, 77, 1024, 16, 64, 0.125)
+    assert not _dq_transposed(big, "fp16", 132) and not _dq_transposed(big, "fp32", 132)
 
 
 def test_transposed_copies_that_would_overlap_are_refused(gpu):
