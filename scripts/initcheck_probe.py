@@ -67,15 +67,22 @@ def probe_attention(shape, precision):
                 else 2.0 ** (13 - numpy.floor(numpy.log2(float(cupy.abs(kv0).max())))))
         kv0_half = (kv0 * s_kv).astype(numpy.float16)
         kv_scale = None if o_half else cupy.array([1 / s_kv], numpy.float32)
-    for o_transposed, kv_half, lengths in itertools.product(
-            (False, True) if precision == "tf32" else (False,), (False, True) if half else (False,),
+    # tf32's O^T also with dQ^T and dQ's column sums (dq_transposed) where dQ is whole, whatever
+    # the samples' length (the backward asks for them on long ones: backward._dq_transposed).
+    whole_dq = attention_bwd.launch_layout(problem, precision, sm_count).kv_parts == 1
+    layouts = [(False, False)] + ([(True, False)] + [(True, True)] * whole_dq if precision == "tf32" else [])
+    for (o_transposed, dq_transposed), kv_half, lengths in itertools.product(
+            layouts, (False, True) if half else (False,),
             (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
         backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed,
-                                                   o_half=o_half, kv_half=kv_half)
+                                                   o_half=o_half, kv_half=kv_half, dq_transposed=dq_transposed)
         o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
         lengths = cupy.asarray(lengths)
         o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
                          for shape in (o_shape, q0.shape, kv0.shape, q0.shape))  # poisoned
+        dq_t, dq_sums = ((cupy.full(o_shape, numpy.nan, numpy.float32),
+                          cupy.full((attention_bwd.dq_sums_rows(b, nv), hidden), numpy.nan, numpy.float32))
+                         if dq_transposed else (None, None))
         o_lo = None
         if o_half:
             o = o.astype(numpy.float16)
@@ -83,11 +90,14 @@ def probe_attention(shape, precision):
         backward(q0, kv0_half if kv_half else kv0, table.data.ptr, dout, o, dq, dkv, lengths,
                  o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(6)),
                  o_lo=None if o_lo is None else o_lo.data.ptr,
-                 kv_scale=kv_scale.data.ptr if kv_half and kv_scale is not None else None)
+                 kv_scale=kv_scale.data.ptr if kv_half and kv_scale is not None else None,
+                 dq_t=None if dq_t is None else dq_t.data.ptr, dq_sums=None if dq_sums is None else dq_sums.data.ptr)
         forward(q0, kv0, table.data.ptr, lengths, y)
-        outputs = (o[:, :b * nv] if o_transposed else o, dq, dkv, y) + (() if o_lo is None else (o_lo,))
+        outputs = ((o[:, :b * nv] if o_transposed else o, dq, dkv, y) + (() if o_lo is None else (o_lo,))
+                   + (() if dq_t is None else (dq_t[:, :b * nv], dq_sums)))
         finite = all(bool(cupy.isfinite(x).all()) for x in outputs)
-        print(f"attention {shape} {precision}{' fp16 K0|V0' if kv_half else ''}: outputs finite: {finite}", flush=True)
+        print(f"attention {shape} {precision}{' fp16 K0|V0' if kv_half else ''}{' dQ^T' if dq_transposed else ''}: "
+              f"outputs finite: {finite}", flush=True)
         if not finite:  # an output the kernels left unwritten keeps its NaN poison
             raise SystemExit(1)
 
