@@ -12,6 +12,11 @@ wrong; only the kernel's time means anything):
           bytes and pattern, wrong values): whether the O stores cost by where they stand (the
           mma.sync path's O stores are only removed)
   scales  the products not divided by their operands' scales (unscale a no-op)
+  dkdv    dV^T += dO^T P and dK^T += Q^T dS taken out, with their rescaling (dK, dV come out 0):
+          the accumulators held across the tiles (80 registers a thread) no longer live in the loop
+  dkdv3   dkdv at three blocks an SM (ATTN_RESIDENT_MIN_BLOCKS and the launcher's blocks per SM):
+          what occupancy would buy the rest of the tile's chain (nvcc 13, fp16 64x128x77's wgmma
+          build: 253 registers; dkdv 186 at two blocks, 167 at three, no spills either way)
 Where the tf32 schedule has the kernel write dQ^T and its column sums too (ATTN_DQ_TRANSPOSED), the
 dq-store trees take those with dQ, and stores_l2 redirects dQ^T as it does O^T (one helper).
 
@@ -27,7 +32,14 @@ import pathlib
 import subprocess
 import sys
 
-BWD, COMMON = "kernels_cu/attention_bwd.cu", "kernels_cu/attention_common.cuh"
+BWD, COMMON, LAUNCHER = "kernels_cu/attention_bwd.cu", "kernels_cu/attention_common.cuh", "cupy_xattn/attention_bwd.py"
+DKDV = [(BWD, "        if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_run.ratio);  // block-uniform\n", ""),
+        (BWD, "        if (dk_ratio != 1.f) scale_all<PER_WARP>(dk_acc, dk_ratio);\n", ""),
+        (BWD, "            wg_issue<NK, 1, 1>(dv_acc, do_s, ATTN_HEAD_DIM, p_s, LD_P, ATTN_BLOCK_Q / 16, true);\n"
+              "            wg_issue<NK, 1, 1>(dk_acc, q_s, ATTN_HEAD_DIM, ds_s, LD_P, ATTN_BLOCK_Q / 16, true);\n", ""),
+        (BWD, "            pin_accumulators<NK>(dv_acc);\n            pin_accumulators<NK>(dk_acc);\n", ""),
+        (BWD, "[&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO", "[] {});"),
+        (BWD, "        add_transposed(dk_acc, ds_s, q_s);  // dK += dS^T Q\n", "")]
 # name: [(file, text, replacement)]; each text occurs once in the kernel sources (tests/test_scripts.py).
 # The resident kernel has a wgmma path (sm_90: the one timed on the H200) and an mma.sync path: an edit
 # of one path's line needs its twin in the other (Session 15's first dq tree missed the wgmma one).
@@ -52,6 +64,9 @@ ABLATIONS = {
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
                 "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
+    "dkdv": DKDV,
+    "dkdv3": DKDV + [(LAUNCHER, "smem, 2 if rows == 64 and key_split == 1 else 1",
+                      "smem, 3 if rows == 64 and key_split == 1 else 1")],
 }
 SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"), ("64x128x77", "tf32"))  # tf32: O^T in fp32
 

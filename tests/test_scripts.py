@@ -85,7 +85,7 @@ def _attention_ptx(folder, defines, monkeypatch):
     return kernels.compile_ptx("attention_bwd.cu", "sm_90a", defines)
 
 
-@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales"])
+@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv", "dkdv3"])
 def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path, monkeypatch):
     # Each ablation rewrites lines of the kernels. An edit that no longer matches, or that lands in
     # code the timed build does not compile (Session 15's first dq tree edited only the mma.sync
@@ -93,10 +93,12 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
     import shutil
     ablation = _script("attention_ablation")
     root = Path(__file__).resolve().parent.parent
-    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales"}
+    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv",
+                                       "dkdv3"}
     for tree in ("base", name):
         shutil.copytree(root / "kernels_cu", tmp_path / tree / "kernels_cu")
     for file, text in ablation.edit(name, lambda file: (root / file).read_text()).items():
+        (tmp_path / name / file).parent.mkdir(exist_ok=True)
         (tmp_path / name / file).write_text(text)
     for defines in _TIMED_BUILDS:
         base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
