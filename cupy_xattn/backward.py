@@ -101,10 +101,11 @@ def _summed_shape(precision, n_parts, shape):
 def _dq_transposed(problem, precision, sm_count):
     """Whether the attention writes dQ^T and dQ's column sums itself (AttentionBackward's
     dq_transposed): the tf32 mode where [dWo | dWq] read transposes, with dQ whole (one key part),
-    on samples of at least _DQ_T_MIN_VIDEO_TOKENS. The attention pays about the DRAM time of the
-    bytes it adds; beside the other lanes the transpose cost more than that only on the long
-    samples (Session 28: 1x4096x77 −5.3, 2x4096x77 −5.1, 2x2048x77 −2.2, 2x1024x77 −1.9 µs;
-    32x128x77 +5.4, 4x853x77 +4.8, 4x256x293 +2.0, 2x691x77 +1.8 on every sample size)."""
+    on samples of at least _DQ_T_MIN_VIDEO_TOKENS. The attention then runs 4–11 µs longer (the DRAM
+    time of the bytes it adds), which delays everything after it; the dQ^T transpose it saves is
+    on the path only where the video lane ([dWo | dWq]) ends last, as on long samples with short
+    texts (perf-notes Session 28: 1x4096x77 −5.3, 2x4096x77 −5.1, 2x2048x77 −2.2, 2x1024x77 −1.9 µs;
+    on every sample size 32x128x77 +5.4, 4x853x77 +4.8, 4x256x293 +2.0, 2x691x77 +1.8)."""
     video_tn = _weight_grads_tn(precision, problem.batch_size * problem.num_video_tokens,
                                 problem.batch_size * problem.num_text_tokens)[0]
     return (video_tn and problem.num_video_tokens >= _DQ_T_MIN_VIDEO_TOKENS
