@@ -44,8 +44,13 @@ def matmul(a, b, c, *, trans_a=False, trans_b=False, compute=COMPUTE_32F_FAST_TF
     a : (M, K) or, with ``trans_a``, (K, M)
     b : (K, N) or, with ``trans_b``, (N, K)
     c : (M, N) float32; rows may be strided (a column block of a wider matrix).
+    trans_a, trans_b : read a, b transposed (no copy: cuBLAS's operation flags).
     compute : cuBLAS compute type (``COMPUTE_32F`` or ``COMPUTE_32F_FAST_TF32``).
     alpha : a float32 NumPy array of one element (kept alive by the caller), default 1.
+    accumulate : add the product to c's present values (beta = 1) instead of overwriting them.
+
+    Returns ``c``. Raises ValueError when an array is not 2-D with unit column stride or the
+    shapes do not chain.
     """
     cupy = import_cupy()
     from cupy_backends.cuda.libs import cublas
