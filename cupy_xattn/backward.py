@@ -13,8 +13,8 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
 In the tf32 mode the projections read both operands K-major, what sm_90's TF32 tensor cores read
 at full speed (``transpose.py``): dO, dX and dT read transposed copies of Wo, Wq and [Wk; Wv],
 and the weight-gradient pairs over enough rows (``_weight_grads_tn``) read dY^T, O^T (written so
-by the attention kernel), dQ^T (the kernel's too, with its column sums, where dQ is whole:
-``_dq_transposed``), X^T, [dK | dV]^T and T^T, as dWo = dY^T (O^T)^T and so on.
+by the attention kernel), dQ^T (the kernel's too, with its column sums, on long samples where dQ
+is whole: ``_dq_transposed``), X^T, [dK | dV]^T and T^T, as dWo = dY^T (O^T)^T and so on.
 
 Every GEMM runs at the mode's precision: tf32 (TF32 tensor cores), fp16 (operands copied to fp16
 with per-tensor power-of-two scales, undone by each GEMM's alpha) or fp32 (3xFP16: the fp16
@@ -438,13 +438,13 @@ class Backward:
 
         W^T copies for dO, dX and dT. The weight-gradient pairs that _weight_grads_tn picks read
         the transposes of both operands: O^T from the attention kernel (and dQ^T with its column
-        sums, where dQ is whole: _dq_transposed), X^T, dY^T and T^T made beside the attention (they
-        read inputs only), [dK | dV]^T (and dQ^T elsewhere) after it, each on the lane of the GEMM
-        that reads it. Their K runs over the padded length (a multiple of 32,
+        sums, on long samples where dQ is whole: _dq_transposed), X^T, dY^T and T^T made beside
+        the attention (they read inputs only), [dK | dV]^T (and dQ^T elsewhere) after it, each on
+        the lane of the GEMM that reads it. Their K runs over the padded length (a multiple of 32,
         zeros past B·N): cuBLAS's "tn" kernels for B·N ≡ 2 (mod 4) took 1.5-2× as long.
-        The transposes of dY, dQ and [dK | dV] also write column sums by blocks of rows, which
-        ones-row GEMMs (fp32) add up to the bias gradients; without them, ones-row GEMMs over the
-        tensors themselves.
+        The transposes of dY, dQ and [dK | dV] (and the attention, with dQ^T) also write column
+        sums by blocks of rows, which ones-row GEMMs (fp32) add up to the bias gradients; without
+        them, ones-row GEMMs over the tensors themselves.
         """
         cupy = import_cupy()
         ldv, ldt = o_t_stride(mv), o_t_stride(mt)

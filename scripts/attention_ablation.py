@@ -16,7 +16,9 @@ wrong; only the kernel's time means anything):
           the accumulators held across the tiles (80 registers a thread) no longer live in the loop
   dkdv3   dkdv at three blocks an SM (ATTN_RESIDENT_MIN_BLOCKS and the launcher's blocks per SM):
           what occupancy would buy the rest of the tile's chain (nvcc 13, fp16 64x128x77's wgmma
-          build: 253 registers; dkdv 186 at two blocks, 167 at three, no spills either way)
+          build: 253 registers; dkdv 186 at two blocks, 167 at three, no spills either way). Only
+          grids of whole (batch, head) pairs isolate it (64x128x77): the blocks per SM also set
+          the query chunks where the pairs fill less than a wave (8x512x77: 3 chunks of 3 tiles)
 Where the tf32 schedule has the kernel write dQ^T and its column sums too (ATTN_DQ_TRANSPOSED), the
 dq-store trees take those with dQ, and stores_l2 redirects dQ^T as it does O^T (one helper).
 

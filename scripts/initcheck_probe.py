@@ -9,7 +9,8 @@ scripts/initcheck_probe.py kernels 1x100x93``:
     kernels    every kernel of ours alone, on each shape (BxNvxNt or BxNvxNt:D:H, default
                2x64x77): the fused attention kernels (backward, then forward) with every text
                token and with padded lengths (and the backward reading an fp16 [K0 | V0] where
-               attention_bwd.half_kv says), then the fp16 scaling (copies and remainders) and
+               attention_bwd.half_kv says; in tf32 also writing O^T, and O^T with dQ^T and dQ's
+               column sums where dQ is whole), then the fp16 scaling (copies and remainders) and
                the tf32 mode's transposes (weights side by side, X^T and dY^T apart, [dK | dV]^T)
                on tensors of the backward's sizes; inputs copied from the
                host (cudaMemcpy), outputs poisoned first. A report here is a read of memory our

@@ -5,7 +5,8 @@
 #     and replayed, backward with padded text lengths, forward), with only our kernels
 #     instrumented (KERNELS): cuBLAS then runs at full speed, so every shape fits;
 #   racecheck, initcheck: our kernels alone (scripts/initcheck_probe.py kernels: both attention
-#     kernels and the dK/dV reduction, every text token and padded lengths; the fp16 scaling, the
+#     kernels and the dK/dV reduction, every text token and padded lengths, fp16 K0|V0 where the
+#     backward reads it, tf32's O^T and dQ^T layouts; the fp16 scaling, the
 #     fp32 mode's remainders and the tf32 mode's transposes on tensors of the backward's sizes). initcheck
 #     does not see cuBLAS's sm_90 kernels write their outputs and flags every later read of them;
 #     racecheck with cuBLAS left uninstrumented made a cuBLAS GEMM fault (H200, 9fbd32d), and

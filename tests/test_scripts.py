@@ -3,6 +3,7 @@ otherwise surface only on the device, in its limited time."""
 import py_compile
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,13 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
         base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
         changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
         assert changed, f"the {name} tree leaves the build {defines} as it is"
+    if (tmp_path / name / ablation.LAUNCHER).exists():  # the launcher's blocks per SM, as the tree plans them
+        shutil.copytree(root / "cupy_xattn", tmp_path / name / "cupy_xattn", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(Path(ablation.LAUNCHER).name, "__pycache__"))
+        blocks = subprocess.run([sys.executable, "-c", "from cupy_xattn import attention_bwd; "
+                                 "print(attention_bwd.kernel_choice(77, 'fp16')[4])"], cwd=tmp_path / name,
+                                capture_output=True, text=True, check=True).stdout.split()
+        assert blocks == ["3"], blocks
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
