@@ -9,6 +9,7 @@ from . import __version__, api, cases, checks, reference
 from ._cupy import INSTALL_HINT, NoGPUError, cache_dir, require_gpu
 
 NUMPY_HINT = "try --backend numpy on a small shape, e.g. --shape 2x64x77 --hidden-size 256 --num-heads 4"
+DEFAULT_ATOL = 0.1  # check's tolerance of a --shape that is no suite's case
 
 
 class NoGPU(click.ClickException):
@@ -28,9 +29,20 @@ def _gpu_or_exit(backend):
         raise NoGPU(f"no CUDA GPU found, and backend cupy needs one; {NUMPY_HINT}") from None
 
 
+def _shape_case(text, atol, hidden_size, num_heads):
+    """The case of a --shape: at ``atol``; or, with atol None, a suite's own case of that size
+    (where the suite's hidden size and heads are these), else at DEFAULT_ATOL."""
+    case = cases.parse_shape(text, atol=DEFAULT_ATOL if atol is None else atol)
+    if atol is None:
+        for name in cases.SUITES:
+            if cases.suite_sizes(name) == (hidden_size, num_heads):
+                case = next((c for c in cases.load_suite(name) if c.label == case.label), case)
+    return case
+
+
 def _cases(suite, shapes, atol, hidden_size, num_heads):
-    """(cases, hidden_size, num_heads): suite cases, then one case per --shape; sizes not given
-    are the suite's (else 1024 and 16). A usage error when there is no case or a size is bad."""
+    """(cases, hidden_size, num_heads): suite cases, then one case per --shape (_shape_case); sizes
+    not given are the suite's (else 1024 and 16). A usage error when there is no case or a size is bad."""
     default_hidden, default_heads = cases.suite_sizes(suite) if suite else (1024, 16)
     hidden_size = default_hidden if hidden_size is None else hidden_size
     num_heads = default_heads if num_heads is None else num_heads
@@ -38,7 +50,7 @@ def _cases(suite, shapes, atol, hidden_size, num_heads):
         raise click.BadParameter(f"--hidden-size {hidden_size} is not divisible by --num-heads {num_heads}")
     selected = cases.load_suite(suite) if suite else []
     try:
-        selected += [cases.parse_shape(text, atol=atol) for text in shapes]
+        selected += [_shape_case(text, atol, hidden_size, num_heads) for text in shapes]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--shape") from None
     if not selected:
@@ -101,8 +113,10 @@ def info():
 @main.command()
 @_problem_options
 @click.option("--precision", type=click.Choice(checks.PRECISIONS), default="tf32", show_default=True)
-@click.option("--atol", type=click.FloatRange(min=0), default=0.1, show_default=True,
-              help="Absolute tolerance of --shape cases (suite cases carry their own).")
+@click.option("--atol", type=click.FloatRange(min=0),
+              help=f"Absolute tolerance of --shape cases; default: a suite's own where the shape is one of its "
+                   f"cases at the same --hidden-size and --num-heads, else {DEFAULT_ATOL} (--suite cases carry "
+                   f"their own).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 def check(suite, shapes, backend, hidden_size, num_heads, precision, atol, seed):
     """Compare each output with the float64 reference under the benchmark's rule.

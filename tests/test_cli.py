@@ -90,6 +90,18 @@ def test_check_atol_sets_the_tolerance_of_shape_cases(runner, monkeypatch):
     assert result.stdout.count(" atol 1 ") == 10 and result.stdout.rstrip().endswith("all outputs pass")
 
 
+def test_check_takes_a_suite_cases_tolerance_for_its_shape(runner, monkeypatch):
+    # 2x512x77 is a sol-execbench case (atol 0.17 at D = 1024, 16 heads): one output off by 0.13
+    # passes there, fails at --atol 0.1 and at the suite case's size with other heads (no case: 0.1)
+    _patch_backward(monkeypatch, lambda grad: grad + 0.13)
+    result = runner.invoke(main, ["check", "--backend", "numpy", "--shape", "2x512x77"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(" atol 0.17 ") == 10
+    for other in (["--atol", "0.1"], ["--num-heads", "8"]):
+        result = runner.invoke(main, ["check", "--backend", "numpy", "--shape", "2x512x77", *other])
+        assert result.exit_code == 1 and result.stdout.count(" atol 0.1 ") == 10, (other, result.output)
+
+
 def test_check_passes_its_precision_to_the_backward(runner, monkeypatch):
     # the numpy backend ignores the precision, so only the call shows whether it got through
     calls = _patch_backward(monkeypatch)
