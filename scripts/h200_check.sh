@@ -18,7 +18,7 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 CUPY_XATTN_REQUIRE_GPU=1
 out="${OUT:-$PWD}"
 status=0
 
-python3 -m pytest tests -m gpu -q --tb=short 2>&1 | tee "$out/pytest_gpu.log" | tail -5 || status=1
+python3 -m pytest tests -m gpu -q --tb=short --durations=25 2>&1 | tee "$out/pytest_gpu.log" | tail -5 || status=1
 bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
 grep -A14 "suite means" "$out/sweep_table.txt"
 python3 scripts/accuracy_table.py --commit "${CUPY_XATTN_GIT_COMMIT:-unknown}" > "$out/accuracy.md" || status=1
