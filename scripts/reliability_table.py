@@ -4,7 +4,8 @@ Every row calls ``cross_attention_backward`` with one thing wrong and records th
 (type and first line) or, for inputs that are valid but extreme, what the outputs hold.
 ``--backend numpy`` needs no GPU; ``--backend cupy`` runs the same rows on the GPU.
 
-Usage: PYTHONPATH=. python3 scripts/reliability_table.py [--backend cupy]
+Usage: PYTHONPATH=. python3 scripts/reliability_table.py [--backend cupy] [--precision fp16]
+(``--precision`` applies to every row that does not set its own; the default is the library's.)
 """
 import argparse
 
@@ -69,8 +70,8 @@ def _with(xp, array, value):
     return array
 
 
-def _outcome(inputs, kwargs, backend):
-    kwargs = {"num_heads": H, "backend": backend, **kwargs}
+def _outcome(inputs, kwargs, backend, precision=None):
+    kwargs = {"num_heads": H, "backend": backend, **({"precision": precision} if precision else {}), **kwargs}
     try:
         with numpy.errstate(all="ignore"):  # NaN/Inf inputs: the result, not the warning, is the point
             grads = cross_attention_backward(**inputs, **kwargs)
@@ -91,15 +92,17 @@ def _host(array):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    parser.add_argument("--precision", choices=["fp32", "tf32", "fp16"], default=None)
     args = parser.parse_args()
     if args.backend == "cupy":
         import cupy as xp
     else:
         xp = numpy
-    print(f"| input (B=2, Nv=6, Nt=5, D=256, H={H}; backend {args.backend}) | what it gets |")
+    mode = f", precision {args.precision}" if args.precision else ""
+    print(f"| input (B=2, Nv=6, Nt=5, D=256, H={H}; backend {args.backend}{mode}) | what it gets |")
     print("|---|---|")
     for what, inputs, kwargs in _rows(xp):
-        print(f"| {what} | {_outcome(inputs, kwargs, args.backend).replace('|', '/')} |")
+        print(f"| {what} | {_outcome(inputs, kwargs, args.backend, args.precision).replace('|', '/')} |")
 
 
 if __name__ == "__main__":

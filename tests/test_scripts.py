@@ -155,3 +155,20 @@ def test_the_kv_half_range_model_loses_bits_only_far_below_the_largest_sample():
     (_, near), (_, far) = model.errors(12, n_video=16), model.errors(20, n_video=16)
     assert max(near) < 1e-3 < 5e-3 < max(far)
 
+
+
+def test_reliability_table_is_the_one_in_the_docs(capsys, monkeypatch):
+    # docs/reliability.md's bad-input table is this script's NumPy-backend output: a change to the
+    # argument checks that alters a message must regenerate it. A precision given applies to every
+    # row that does not set its own and is named in the header.
+    table = _script("reliability_table")
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    monkeypatch.setattr(sys, "argv", ["reliability_table.py"])
+    table.main()
+    printed = capsys.readouterr().out
+    assert printed.strip() in docs
+    assert printed.count("\n") > 20
+    monkeypatch.setattr(sys, "argv", ["reliability_table.py", "--precision", "fp16"])
+    table.main()
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == "| input (B=2, Nv=6, Nt=5, D=256, H=4; backend numpy, precision fp16) | what it gets |"
