@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*"))
@@ -168,7 +169,14 @@ def test_reliability_table_is_the_one_in_the_docs(capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert printed.strip() in docs
     assert printed.count("\n") > 20
+    seen = []
+
+    def backward(*args, **kwargs):  # records the precision each row asks for
+        seen.append(kwargs.get("precision"))
+        return [numpy.zeros(1)] * 10
+    monkeypatch.setattr(table, "cross_attention_backward", backward)
     monkeypatch.setattr(sys, "argv", ["reliability_table.py", "--precision", "fp16"])
     table.main()
     header = capsys.readouterr().out.splitlines()[0]
     assert header == "| input (B=2, Nv=6, Nt=5, D=256, H=4; backend numpy, precision fp16) | what it gets |"
+    assert seen.count("bf16") == 1 and seen.count("fp16") == len(seen) - 1  # all but the row that sets its own
