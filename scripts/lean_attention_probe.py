@@ -1,0 +1,341 @@
+"""A prototype of the resident attention kernel with a shorter chain a tile (perf-notes, Session 30):
+one warpgroup a block, two blocks an SM (as attn_bwd_resident), every product on wgmma, and
+nothing between the products but the softmax:
+
+- the next query tile's Q and dO are copied by cp.async while this one is used (fp16 in global
+  memory, into the wgmma operand layout as they are: no conversion, no per-tile scale or maximum);
+- S = Q K^T and dP = dO V^T in flight together; P and dS stay in registers as the A operands of
+  O = P V and dQ = dS K (wgmma with A from registers), and go to shared memory once, for
+  dV^T += dO^T P and dK^T += Q^T dS; the four chains in flight together, one wait, one barrier.
+
+Plain fp16 operands (casts of random fp32 data, no scales), no biases, every key attended to, O
+row-major: only to time the structure against the library's kernel (AttentionBackward, tf32:
+fp32 inputs converted in the kernel at per-tile scales) on the same inputs, both replayed from a
+CUDA graph. Checked against a float32 CuPy reference of the same math (split_attention_probe's).
+
+Usage: PYTHONPATH=. python3 scripts/lean_attention_probe.py [--reps 50] 64x128x77 8x512x77 2x4096x77
+"""
+import argparse
+import importlib.util
+import os
+
+import numpy
+
+
+def _regs(first, count):
+    return ", ".join(f"%{first + i}" for i in range(count))
+
+
+def _outs(n):  # the accumulators c[N/8][4] as asm outputs
+    return ", ".join(f'"+f"(c[{i}][{j}])' for i in range(n // 8) for j in range(4))
+
+
+def _wgmma_source():
+    """wgmma m64nNk16 (fp16 in, fp32 accumulators): ss<N, TA, TB> with both operands in shared memory,
+    rs<N, TB> with A from four registers (f16x2)."""
+    parts = []
+    for n in (64, 80):
+        k = n // 2
+        parts.append(f"""
+template <int TA, int TB> __device__ __forceinline__ void ss{n}(float (&c)[{n // 8}][4], unsigned long long da,
+                                                               unsigned long long db, int acc) {{
+    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{_regs(0, k)}}}, %{k}, %{k + 1}, p, 1, 1, %{k + 3}, %{k + 4};\\n}}\\n"
+                 : {_outs(n)} : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+}}
+template <int TB> __device__ __forceinline__ void rs{n}(float (&c)[{n // 8}][4], const unsigned (&a)[4],
+                                                      unsigned long long db, int acc) {{
+    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{_regs(0, k)}}}, {{{_regs(k, 4)}}}, %{k + 4}, p, 1, 1, %{k + 6};\\n}}\\n"
+                 : {_outs(n)} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+}}""")
+    return "\n".join(parts)
+
+
+SOURCE = r"""
+#define HD 64      // head_dim
+#define NK 80      // keys, padded to a multiple of 16 (Nt <= 80)
+#define BQ 64      // query rows a tile: one warpgroup
+#define THREADS 128
+typedef unsigned short half_t;  // fp16 bits
+
+// wgmma's no-swizzle layout: 8 x 8 core matrices of 128 contiguous bytes, (row / 8, col / 8) at
+// element (row / 8) * cols * 8 + (col / 8) * 64.
+__device__ __forceinline__ int cm(int row, int col, int cols) {
+    return (row >> 3) * cols * 8 + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
+}
+// A tile of `cols` columns as an operand: K along its columns (T = 0: LBO 128 bytes, SBO a row of
+// core matrices), or along its rows (T = 1: the two swapped); k step `k` (16 of K) starts 2 LBO on.
+template <int T> __device__ __forceinline__ unsigned long long desc(const half_t* tile, int cols, int k) {
+    const unsigned lbo = T ? cols * 16 : 128, sbo = T ? 128 : cols * 16;
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(tile)) + 2 * k * lbo;
+    return ((address & 0x3ffff) >> 4) | (static_cast<unsigned long long>(lbo >> 4) << 16) |
+           (static_cast<unsigned long long>(sbo >> 4) << 32);
+}
+__device__ __forceinline__ void cp16(half_t* to, const half_t* from, bool inside) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(to));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(from), "r"(inside ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ unsigned pack(float lo, float hi) {  // fp16 of lo in the low half
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void pin(float (&c)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(c[n][i])::"memory");
+}
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+WGMMA_SOURCE
+
+// Rows [row0, row0 + BQ) of a head's Q and dO (fp16, row stride `hidden`) into tiles, rows past n as zeros.
+__device__ __forceinline__ void copy_tiles(half_t* q_s, half_t* do_s, const half_t* q, const half_t* dout,
+                                           int row0, int n, int hidden) {
+#pragma unroll
+    for (int i = threadIdx.x; i < BQ * HD / 8; i += THREADS) {
+        const int row = i / (HD / 8), c = 8 * (i % (HD / 8));
+        const bool inside = row0 + row < n;
+        const long long at = inside ? (long long)(row0 + row) * hidden + c : 0;
+        cp16(q_s + cm(row, c, HD), q + at, inside);
+        cp16(do_s + cm(row, c, HD), dout + at, inside);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Grid (chunks, H, B); block (c, h, b) takes query tiles [c * tiles, (c + 1) * tiles) of sample b,
+// head h, and writes its chunk's dK | dV partial (dkv_part [chunks][B * Nt][2D], fp32).
+extern "C" __global__ void __launch_bounds__(THREADS, 2)
+lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const half_t* __restrict__ dout,
+          float* __restrict__ o, float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text,
+          int hidden, int tiles, float scale) {
+    extern __shared__ __align__(128) half_t smem[];
+    half_t* k_s = smem;              // [NK][HD]
+    half_t* v_s = k_s + NK * HD;     // [NK][HD]
+    half_t* q_s = v_s + NK * HD;     // [2][BQ][HD]
+    half_t* do_s = q_s + 2 * BQ * HD;  // [2][BQ][HD]
+    half_t* p_s = do_s + 2 * BQ * HD;  // [BQ][NK]
+    half_t* ds_s = p_s + BQ * NK;      // [BQ][NK]
+    const int b = blockIdx.z, col = blockIdx.y * HD;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const half_t* qb = q + (long long)b * n_video * hidden + col;
+    const half_t* dob = dout + (long long)b * n_video * hidden + col;
+    const half_t* kb = kv + (long long)b * n_text * 2 * hidden + col;
+    for (int i = threadIdx.x; i < NK * HD / 8; i += THREADS) {
+        const int row = i / (HD / 8), c = 8 * (i % (HD / 8));
+        const bool inside = row < n_text;
+        const long long at = inside ? (long long)row * 2 * hidden + c : 0;
+        cp16(k_s + cm(row, c, HD), kb + at, inside);
+        cp16(v_s + cm(row, c, HD), kb + hidden + at, inside);
+    }
+    const int n_tiles = (n_video + BQ - 1) / BQ, first = blockIdx.x * tiles, last = min(first + tiles, n_tiles);
+    copy_tiles(q_s, do_s, qb, dob, first * BQ, n_video, hidden);
+    const float sl2 = scale * 1.4426950408889634f;
+    float dk[NK / 8][4], dv[NK / 8][4];
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+    for (int tile = first; tile < last; ++tile) {
+        const int buf = (tile - first) & 1, row0 = tile * BQ;
+        half_t* qt = q_s + buf * BQ * HD;
+        half_t* dot = do_s + buf * BQ * HD;
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        fence_async();
+        __syncthreads();  // this tile's Q and dO are in (and K, V); the last tile's chains are done
+        if (tile + 1 < last)
+            copy_tiles(q_s + (buf ^ 1) * BQ * HD, do_s + (buf ^ 1) * BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+        float s[NK / 8][4], dp[NK / 8][4];
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < HD / 16; ++k) {
+            ss80<0, 0>(s, desc<0>(qt, HD, k), desc<0>(k_s, HD, k), k);
+            ss80<0, 0>(dp, desc<0>(dot, HD, k), desc<0>(v_s, HD, k), k);
+        }
+        wg_commit();
+        wg_wait();
+        pin<NK / 8>(s);
+        pin<NK / 8>(dp);
+        unsigned pa[NK / 16][4], da[NK / 16][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of the warp's 16
+            float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+            for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+                for (int j = 2 * h; j < 2 * h + 2; ++j) {
+                    s[n][j] = 8 * n + 2 * t + (j & 1) < n_text ? s[n][j] * sl2 : -__int_as_float(0x7f800000);
+                    mx = fmaxf(mx, s[n][j]);
+                }
+            mx = quad_max(mx);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+                for (int j = 2 * h; j < 2 * h + 2; ++j) sum += (s[n][j] = exp2f(s[n][j] - mx));
+            const float inv = 1.f / quad_sum(sum);
+            float dot_row = 0.f;
+#pragma unroll
+            for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+                for (int j = 2 * h; j < 2 * h + 2; ++j) dot_row += (s[n][j] *= inv) * dp[n][j];
+            const float d_row = quad_sum(dot_row);
+#pragma unroll
+            for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+                for (int j = 2 * h; j < 2 * h + 2; ++j) dp[n][j] = s[n][j] * (dp[n][j] - d_row) * scale;
+        }
+        // P and dS as fp16 A operands (the accumulators' layout is the A fragments'), and into
+        // shared memory for the products over the rows.
+        const int r = 16 * warp + g;
+#pragma unroll
+        for (int n = 0; n < NK / 8; ++n) {
+            const unsigned p0 = pack(s[n][0], s[n][1]), p1 = pack(s[n][2], s[n][3]);
+            const unsigned d0 = pack(dp[n][0], dp[n][1]), d1 = pack(dp[n][2], dp[n][3]);
+            pa[n / 2][2 * (n % 2)] = p0, pa[n / 2][2 * (n % 2) + 1] = p1;
+            da[n / 2][2 * (n % 2)] = d0, da[n / 2][2 * (n % 2) + 1] = d1;
+            *reinterpret_cast<unsigned*>(p_s + cm(r, 8 * n + 2 * t, NK)) = p0;
+            *reinterpret_cast<unsigned*>(p_s + cm(r + 8, 8 * n + 2 * t, NK)) = p1;
+            *reinterpret_cast<unsigned*>(ds_s + cm(r, 8 * n + 2 * t, NK)) = d0;
+            *reinterpret_cast<unsigned*>(ds_s + cm(r + 8, 8 * n + 2 * t, NK)) = d1;
+        }
+        fence_async();
+        __syncthreads();  // every row of P and dS is stored
+        float oa[HD / 8][4], dqa[HD / 8][4];
+        pin<NK / 8>(dk);
+        pin<NK / 8>(dv);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < NK / 16; ++k) {
+            rs64<1>(oa, pa[k], desc<1>(v_s, HD, k), k);
+            rs64<1>(dqa, da[k], desc<1>(k_s, HD, k), k);
+        }
+#pragma unroll
+        for (int k = 0; k < BQ / 16; ++k) {
+            ss80<1, 1>(dv, desc<1>(dot, HD, k), desc<1>(p_s, NK, k), 1);
+            ss80<1, 1>(dk, desc<1>(qt, HD, k), desc<1>(ds_s, NK, k), 1);
+        }
+        wg_commit();
+        wg_wait();
+        pin<HD / 8>(oa);
+        pin<HD / 8>(dqa);
+        pin<NK / 8>(dk);
+        pin<NK / 8>(dv);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + r + 8 * h;
+            if (row < n_video) {
+                float* orow = o + ((long long)b * n_video + row) * hidden + col;
+                float* dqrow = dq + ((long long)b * n_video + row) * hidden + col;
+#pragma unroll
+                for (int n = 0; n < HD / 8; ++n) {
+                    *reinterpret_cast<float2*>(orow + 8 * n + 2 * t) = make_float2(oa[n][2 * h], oa[n][2 * h + 1]);
+                    *reinterpret_cast<float2*>(dqrow + 8 * n + 2 * t) = make_float2(dqa[n][2 * h], dqa[n][2 * h + 1]);
+                }
+            }
+        }
+    }
+    // dK^T and dV^T: warp w holds head-dim rows 16w + g (+ 8), keys 8j + 2t (+ 1).
+    float* part = dkv_part + ((long long)blockIdx.x * gridDim.z + b) * n_text * 2 * hidden + col;
+#pragma unroll
+    for (int j = 0; j < NK / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = 8 * j + 2 * t + (i & 1), dim = 16 * warp + g + 8 * (i >> 1);
+            if (key < n_text) {
+                part[(long long)key * 2 * hidden + dim] = dk[j][i];
+                part[(long long)key * 2 * hidden + hidden + dim] = dv[j][i];
+            }
+        }
+}
+""".replace("WGMMA_SOURCE", _wgmma_source())
+SMEM = 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80)  # K, V, two Q and dO tiles, P, dS (fp16)
+
+
+def _graph_time(run, reps):
+    """µs a replay of a CUDA graph of ``run``: the median of ``reps`` rounds of ten replays."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+    times = []
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(10):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
+    return float(numpy.median(times))
+
+
+def main():
+    import cupy
+    from cupy_xattn import kernels
+    from cupy_xattn.attention_bwd import AttentionBackward, launch_layout
+    from cupy_xattn.checks import Problem
+
+    spec = importlib.util.spec_from_file_location("split", os.path.join(os.path.dirname(__file__),
+                                                                       "split_attention_probe.py"))
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="+")
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    kernel = kernels.load_cubin(kernels.compile_source(SOURCE, "lean_attn", "sm_90a"), "lean_attn").get_function(
+        "lean_attn")
+    kernel.max_dynamic_shared_size_bytes = SMEM
+    heads, scale, sms = 16, 0.125, cupy.cuda.Device().attributes["MultiProcessorCount"]
+    d = heads * 64
+    for shape in args.shapes:
+        b, nv, nt = (int(x) for x in shape.split("x"))
+        problem = Problem(b, nv, nt, d, heads, 64, scale)
+        layout = launch_layout(problem, "tf32", sms)
+        rng = cupy.random.default_rng(0)
+        q, dout = (rng.standard_normal((b * nv, d), dtype=numpy.float32) for _ in range(2))
+        kv = rng.standard_normal((b * nt, 2 * d), dtype=numpy.float32)
+        halves = [x.astype(numpy.float16) for x in (q, kv, dout)]
+        want = split.reference(*(x.astype(numpy.float32) for x in halves), b, nv, nt, heads, scale)
+        o, dq = (cupy.full((b * nv, d), numpy.nan, numpy.float32) for _ in range(2))
+        chunks, tiles = layout.n_chunks, layout.tiles_per_chunk
+        parts = cupy.full((chunks, b * nt, 2 * d), numpy.nan, numpy.float32)
+
+        def lean():
+            kernel((chunks, heads, b), (128,), (*halves, o, dq, parts, numpy.int32(nv), numpy.int32(nt),
+                                                 numpy.int32(d), numpy.int32(tiles), numpy.float32(scale)),
+                   shared_mem=SMEM)
+        lean()
+        got = (o, dq, parts.sum(0))
+        errors = [float(cupy.abs(x - y).max() / cupy.abs(y).max()) for x, y in zip(got, want)]
+        t_lean = _graph_time(lean, args.reps)
+        library = AttentionBackward(problem, "tf32", sms)
+        zeros = cupy.zeros(d, numpy.float32)
+        biases = cupy.array([zeros.data.ptr] * 3, numpy.uint64)
+        o2, dq2 = cupy.empty_like(o), cupy.empty_like(dq)
+        dkv2 = cupy.empty((b * nt, 2 * d), numpy.float32)
+        t_library = _graph_time(lambda: library(q, kv, biases.data.ptr, dout, o2, dq2, dkv2), args.reps)
+        print(f"{shape}: lean {t_lean:.1f} us ({kernel.num_regs} registers; {chunks} chunks of {tiles} tiles; max rel. "
+              f"errors O, dQ, dK|dV " + ", ".join(f"{e:.1e}" for e in errors)
+              + f") | library tf32 {layout.name} {t_library:.1f} us (with its partials' sum) | graph replays, warm L2, "
+              f"medians of {args.reps}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
