@@ -58,6 +58,14 @@ SOURCE = r"""
 #define BQ 64      // query rows a tile: one warpgroup
 #define THREADS 128
 typedef unsigned short half_t;  // fp16 bits
+#ifndef INPUT_F32
+#define INPUT_F32 0  // 1: Q, dO and K|V in fp32, copied into fp16 operands at per-tile power-of-two scales
+#endif
+#if INPUT_F32
+typedef float in_t;
+#else
+typedef half_t in_t;
+#endif
 
 // wgmma's no-swizzle layout: 8 x 8 core matrices of 128 contiguous bytes, (row / 8, col / 8) at
 // element (row / 8) * cols * 8 + (col / 8) * 64.
@@ -101,38 +109,92 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 WGMMA_SOURCE
 
-// Rows [row0, row0 + BQ) of a head's Q and dO (fp16, row stride `hidden`) into tiles, rows past n as zeros.
-__device__ __forceinline__ void copy_tiles(half_t* q_s, half_t* do_s, const half_t* q, const half_t* dout,
-                                           int row0, int n, int hidden) {
+// Rows [row0, row0 + BQ) of a head's Q and dO (row stride `hidden`) into tiles, rows past n as zeros:
+// fp16, into the operand tiles as they are; fp32, into row-major staging.
+__device__ __forceinline__ void copy_tiles(void* q_s, void* do_s, const in_t* q, const in_t* dout, int row0, int n,
+                                           int hidden) {
+    constexpr int PER = 16 / sizeof(in_t);  // elements a 16-byte copy
 #pragma unroll
-    for (int i = threadIdx.x; i < BQ * HD / 8; i += THREADS) {
-        const int row = i / (HD / 8), c = 8 * (i % (HD / 8));
+    for (int i = threadIdx.x; i < BQ * HD / PER; i += THREADS) {
+        const int row = i / (HD / PER), c = PER * (i % (HD / PER));
         const bool inside = row0 + row < n;
         const long long at = inside ? (long long)(row0 + row) * hidden + c : 0;
-        cp16(q_s + cm(row, c, HD), q + at, inside);
-        cp16(do_s + cm(row, c, HD), dout + at, inside);
+        const int to = INPUT_F32 ? row * HD + c : cm(row, c, HD);
+        cp16(reinterpret_cast<half_t*>(static_cast<in_t*>(q_s) + to), reinterpret_cast<const half_t*>(q + at), inside);
+        cp16(reinterpret_cast<half_t*>(static_cast<in_t*>(do_s) + to), reinterpret_cast<const half_t*>(dout + at), inside);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// The block's largest value of x (every thread calls it; red: THREADS / 32 floats).
+__device__ __forceinline__ float block_max(float x, float* red) {
+#pragma unroll
+    for (int m = 16; m; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, m));
+    __syncthreads();  // red's last readers are done
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) x = fmaxf(x, red[w]);
+    return x;
+}
+// A power of two that puts the largest |element| near 2^14 (fp16's top is 65504).
+__device__ __forceinline__ float pow2_scale(float amax) {
+    return amax > 0.f ? exp2f(14.f - ceilf(log2f(amax))) : 1.f;
+}
+// ROWS rows of HD fp32 values ([ROWS][HD] with row stride ld) into an fp16 operand tile at a scale
+// from their largest |value| (returned): each thread's values stay in registers between the two.
+template <int ROWS>
+__device__ __forceinline__ float to_half_tile(half_t* tile, const float* from, long long ld, int valid, float* red) {
+    constexpr int PER_THREAD = ROWS * HD / 8 / THREADS;  // 8-element chunks
+    float4 v[PER_THREAD][2];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int chunk = threadIdx.x + THREADS * i, row = chunk / (HD / 8), c = 8 * (chunk % (HD / 8));
+        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+        v[i][0] = row < valid ? *reinterpret_cast<const float4*>(from + row * ld + c) : zero;
+        v[i][1] = row < valid ? *reinterpret_cast<const float4*>(from + row * ld + c + 4) : zero;
+        amax = fmaxf(amax, fmaxf(fmaxf(fmaxf(fabsf(v[i][0].x), fabsf(v[i][0].y)), fmaxf(fabsf(v[i][0].z), fabsf(v[i][0].w))),
+                                 fmaxf(fmaxf(fabsf(v[i][1].x), fabsf(v[i][1].y)), fmaxf(fabsf(v[i][1].z), fabsf(v[i][1].w)))));
+    }
+    const float s = pow2_scale(block_max(amax, red));
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int chunk = threadIdx.x + THREADS * i, row = chunk / (HD / 8), c = 8 * (chunk % (HD / 8));
+        *reinterpret_cast<uint4*>(tile + cm(row, c, HD)) =
+            make_uint4(pack(v[i][0].x * s, v[i][0].y * s), pack(v[i][0].z * s, v[i][0].w * s),
+                       pack(v[i][1].x * s, v[i][1].y * s), pack(v[i][1].z * s, v[i][1].w * s));
+    }
+    return s;
 }
 
 // Grid (chunks, H, B); block (c, h, b) takes query tiles [c * tiles, (c + 1) * tiles) of sample b,
 // head h, and writes its chunk's dK | dV partial (dkv_part [chunks][B * Nt][2D], fp32).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const half_t* __restrict__ dout,
+lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* __restrict__ dout,
           float* __restrict__ o, float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text,
           int hidden, int tiles, float scale) {
     extern __shared__ __align__(128) half_t smem[];
     half_t* k_s = smem;              // [NK][HD]
     half_t* v_s = k_s + NK * HD;     // [NK][HD]
-    half_t* q_s = v_s + NK * HD;     // [2][BQ][HD]
-    half_t* do_s = q_s + 2 * BQ * HD;  // [2][BQ][HD]
-    half_t* p_s = do_s + 2 * BQ * HD;  // [BQ][NK]
+    half_t* q_s = v_s + NK * HD;     // [2][BQ][HD] (fp32 inputs: one)
+    half_t* do_s = q_s + (2 - INPUT_F32) * BQ * HD;
+    half_t* p_s = do_s + (2 - INPUT_F32) * BQ * HD;  // [BQ][NK]
     half_t* ds_s = p_s + BQ * NK;      // [BQ][NK]
+    float* staging = reinterpret_cast<float*>(ds_s + BQ * NK);  // fp32 inputs: the next Q, dO [2][BQ][HD]
+    __shared__ float red[THREADS / 32];
     const int b = blockIdx.z, col = blockIdx.y * HD;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const half_t* qb = q + (long long)b * n_video * hidden + col;
-    const half_t* dob = dout + (long long)b * n_video * hidden + col;
-    const half_t* kb = kv + (long long)b * n_text * 2 * hidden + col;
+    const in_t* qb = q + (long long)b * n_video * hidden + col;
+    const in_t* dob = dout + (long long)b * n_video * hidden + col;
+    const in_t* kb = kv + (long long)b * n_text * 2 * hidden + col;
+    const int n_tiles = (n_video + BQ - 1) / BQ, first = blockIdx.x * tiles, last = min(first + tiles, n_tiles);
+#if INPUT_F32
+    copy_tiles(staging, staging + BQ * HD, qb, dob, first * BQ, n_video, hidden);
+    const float s_k = to_half_tile<NK>(k_s, kb, 2 * hidden, n_text, red);
+    const float s_v = to_half_tile<NK>(v_s, kb + hidden, 2 * hidden, n_text, red);
+    float s_q_run = 0.f, s_do_run = 0.f;  // the scales dK^T and dV^T accumulate at
+#else
     for (int i = threadIdx.x; i < NK * HD / 8; i += THREADS) {
         const int row = i / (HD / 8), c = 8 * (i % (HD / 8));
         const bool inside = row < n_text;
@@ -140,8 +202,9 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
         cp16(k_s + cm(row, c, HD), kb + at, inside);
         cp16(v_s + cm(row, c, HD), kb + hidden + at, inside);
     }
-    const int n_tiles = (n_video + BQ - 1) / BQ, first = blockIdx.x * tiles, last = min(first + tiles, n_tiles);
     copy_tiles(q_s, do_s, qb, dob, first * BQ, n_video, hidden);
+    const float s_k = 1.f, s_v = 1.f, s_q = 1.f, s_do = 1.f;
+#endif
     const float sl2 = scale * 1.4426950408889634f;
     float dk[NK / 8][4], dv[NK / 8][4];
 #pragma unroll
@@ -149,7 +212,35 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
 #pragma unroll
         for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
     for (int tile = first; tile < last; ++tile) {
-        const int buf = (tile - first) & 1, row0 = tile * BQ;
+        const int row0 = tile * BQ;
+#if INPUT_F32
+        half_t* qt = q_s;
+        half_t* dot = do_s;
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncthreads();  // this tile's staging is in; the last tile's chains are done
+        const float s_q = to_half_tile<BQ>(qt, staging, HD, BQ, red);
+        const float s_do = to_half_tile<BQ>(dot, staging + BQ * HD, HD, BQ, red);
+        if (s_q != s_q_run) {  // block-uniform: dK^T to this tile's scale
+            const float ratio = s_q_run == 0.f ? 0.f : s_q / s_q_run;
+#pragma unroll
+            for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) dk[n][i] *= ratio;
+            s_q_run = s_q;
+        }
+        if (s_do != s_do_run) {
+            const float ratio = s_do_run == 0.f ? 0.f : s_do / s_do_run;
+#pragma unroll
+            for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) dv[n][i] *= ratio;
+            s_do_run = s_do;
+        }
+        fence_async();
+        __syncthreads();  // the operand tiles are stored; the staging is read
+        if (tile + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+#else
+        const int buf = (tile - first) & 1;
         half_t* qt = q_s + buf * BQ * HD;
         half_t* dot = do_s + buf * BQ * HD;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -157,6 +248,8 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
         __syncthreads();  // this tile's Q and dO are in (and K, V); the last tile's chains are done
         if (tile + 1 < last)
             copy_tiles(q_s + (buf ^ 1) * BQ * HD, do_s + (buf ^ 1) * BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+#endif
+        const float s_factor = sl2 / (s_q * s_k), dp_factor = scale / (s_do * s_v);
         float s[NK / 8][4], dp[NK / 8][4];
         wg_fence();
 #pragma unroll
@@ -176,7 +269,7 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
             for (int n = 0; n < NK / 8; ++n)
 #pragma unroll
                 for (int j = 2 * h; j < 2 * h + 2; ++j) {
-                    s[n][j] = 8 * n + 2 * t + (j & 1) < n_text ? s[n][j] * sl2 : -__int_as_float(0x7f800000);
+                    s[n][j] = 8 * n + 2 * t + (j & 1) < n_text ? s[n][j] * s_factor : -__int_as_float(0x7f800000);
                     mx = fmaxf(mx, s[n][j]);
                 }
             mx = quad_max(mx);
@@ -191,11 +284,11 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
             for (int n = 0; n < NK / 8; ++n)
 #pragma unroll
                 for (int j = 2 * h; j < 2 * h + 2; ++j) dot_row += (s[n][j] *= inv) * dp[n][j];
-            const float d_row = quad_sum(dot_row);
+            const float d_row = quad_sum(dot_row);  // times s_do s_v
 #pragma unroll
             for (int n = 0; n < NK / 8; ++n)
 #pragma unroll
-                for (int j = 2 * h; j < 2 * h + 2; ++j) dp[n][j] = s[n][j] * (dp[n][j] - d_row) * scale;
+                for (int j = 2 * h; j < 2 * h + 2; ++j) dp[n][j] = s[n][j] * (dp[n][j] - d_row) * dp_factor;
         }
         // P and dS as fp16 A operands (the accumulators' layout is the A fragments'), and into
         // shared memory for the products over the rows.
@@ -241,12 +334,19 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
                 float* dqrow = dq + ((long long)b * n_video + row) * hidden + col;
 #pragma unroll
                 for (int n = 0; n < HD / 8; ++n) {
-                    *reinterpret_cast<float2*>(orow + 8 * n + 2 * t) = make_float2(oa[n][2 * h], oa[n][2 * h + 1]);
-                    *reinterpret_cast<float2*>(dqrow + 8 * n + 2 * t) = make_float2(dqa[n][2 * h], dqa[n][2 * h + 1]);
+                    *reinterpret_cast<float2*>(orow + 8 * n + 2 * t) =
+                        make_float2(oa[n][2 * h] / s_v, oa[n][2 * h + 1] / s_v);
+                    *reinterpret_cast<float2*>(dqrow + 8 * n + 2 * t) =
+                        make_float2(dqa[n][2 * h] / s_k, dqa[n][2 * h + 1] / s_k);
                 }
             }
         }
     }
+#if INPUT_F32
+    const float s_q_final = s_q_run, s_do_final = s_do_run;
+#else
+    const float s_q_final = 1.f, s_do_final = 1.f;
+#endif
     // dK^T and dV^T: warp w holds head-dim rows 16w + g (+ 8), keys 8j + 2t (+ 1).
     float* part = dkv_part + ((long long)blockIdx.x * gridDim.z + b) * n_text * 2 * hidden + col;
 #pragma unroll
@@ -255,13 +355,14 @@ lean_attn(const half_t* __restrict__ q, const half_t* __restrict__ kv, const hal
         for (int i = 0; i < 4; ++i) {
             const int key = 8 * j + 2 * t + (i & 1), dim = 16 * warp + g + 8 * (i >> 1);
             if (key < n_text) {
-                part[(long long)key * 2 * hidden + dim] = dk[j][i];
-                part[(long long)key * 2 * hidden + hidden + dim] = dv[j][i];
+                part[(long long)key * 2 * hidden + dim] = dk[j][i] / s_q_final;
+                part[(long long)key * 2 * hidden + hidden + dim] = dv[j][i] / s_do_final;
             }
         }
 }
 """.replace("WGMMA_SOURCE", _wgmma_source())
-SMEM = 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80)  # K, V, two Q and dO tiles, P, dS (fp16)
+# K, V, P, dS (fp16); Q and dO, two tiles of each (fp16 inputs) or one and an fp32 staging of each
+SMEM = {0: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80), 1: 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64}
 
 
 def _graph_time(run, reps):
@@ -299,9 +400,12 @@ def main():
     parser.add_argument("shapes", nargs="+")
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
-    kernel = kernels.load_cubin(kernels.compile_source(SOURCE, "lean_attn", "sm_90a"), "lean_attn").get_function(
-        "lean_attn")
-    kernel.max_dynamic_shared_size_bytes = SMEM
+    lean_kernels = {}
+    for f32 in (0, 1):
+        source = f"#define INPUT_F32 {f32}\n" + SOURCE
+        lean_kernels[f32] = kernels.load_cubin(kernels.compile_source(source, "lean_attn", "sm_90a"),
+                                               "lean_attn").get_function("lean_attn")
+        lean_kernels[f32].max_dynamic_shared_size_bytes = SMEM[f32]
     heads, scale, sms = 16, 0.125, cupy.cuda.Device().attributes["MultiProcessorCount"]
     d = heads * 64
     for shape in args.shapes:
@@ -312,28 +416,32 @@ def main():
         q, dout = (rng.standard_normal((b * nv, d), dtype=numpy.float32) for _ in range(2))
         kv = rng.standard_normal((b * nt, 2 * d), dtype=numpy.float32)
         halves = [x.astype(numpy.float16) for x in (q, kv, dout)]
-        want = split.reference(*(x.astype(numpy.float32) for x in halves), b, nv, nt, heads, scale)
         o, dq = (cupy.full((b * nv, d), numpy.nan, numpy.float32) for _ in range(2))
         chunks, tiles = layout.n_chunks, layout.tiles_per_chunk
         parts = cupy.full((chunks, b * nt, 2 * d), numpy.nan, numpy.float32)
+        cells = []
+        for f32, inputs in ((0, halves), (1, (q, kv, dout))):
+            kernel = lean_kernels[f32]
+            want = split.reference(*(x.astype(numpy.float32) for x in inputs), b, nv, nt, heads, scale)
 
-        def lean():
-            kernel((chunks, heads, b), (128,), (*halves, o, dq, parts, numpy.int32(nv), numpy.int32(nt),
-                                                 numpy.int32(d), numpy.int32(tiles), numpy.float32(scale)),
-                   shared_mem=SMEM)
-        lean()
-        got = (o, dq, parts.sum(0))
-        errors = [float(cupy.abs(x - y).max() / cupy.abs(y).max()) for x, y in zip(got, want)]
-        t_lean = _graph_time(lean, args.reps)
+            def lean():
+                kernel((chunks, heads, b), (128,), (*inputs, o, dq, parts, numpy.int32(nv), numpy.int32(nt),
+                                                     numpy.int32(d), numpy.int32(tiles), numpy.float32(scale)),
+                       shared_mem=SMEM[f32])
+            lean()
+            got = (o, dq, parts.sum(0))
+            errors = [float(cupy.abs(x - y).max() / cupy.abs(y).max()) for x, y in zip(got, want)]
+            cells.append(f"lean, {'fp32' if f32 else 'fp16'} inputs {_graph_time(lean, args.reps):.1f} us "
+                         f"({kernel.num_regs} registers; max rel. errors O, dQ, dK|dV "
+                         + ", ".join(f"{e:.1e}" for e in errors) + ")")
         library = AttentionBackward(problem, "tf32", sms)
         zeros = cupy.zeros(d, numpy.float32)
         biases = cupy.array([zeros.data.ptr] * 3, numpy.uint64)
         o2, dq2 = cupy.empty_like(o), cupy.empty_like(dq)
         dkv2 = cupy.empty((b * nt, 2 * d), numpy.float32)
         t_library = _graph_time(lambda: library(q, kv, biases.data.ptr, dout, o2, dq2, dkv2), args.reps)
-        print(f"{shape}: lean {t_lean:.1f} us ({kernel.num_regs} registers; {chunks} chunks of {tiles} tiles; max rel. "
-              f"errors O, dQ, dK|dV " + ", ".join(f"{e:.1e}" for e in errors)
-              + f") | library tf32 {layout.name} {t_library:.1f} us (with its partials' sum) | graph replays, warm L2, "
+        print(f"{shape} ({chunks} chunks of {tiles} tiles): " + " | ".join(cells)
+              + f" | library tf32 {layout.name} {t_library:.1f} us (with its partials' sum) | graph replays, warm L2, "
               f"medians of {args.reps}", flush=True)
 
 
