@@ -59,8 +59,9 @@ SOURCE = r"""
 #define THREADS 128
 typedef unsigned short half_t;  // fp16 bits
 #ifndef INPUT_F32
-#define INPUT_F32 0  // 1: Q, dO and K|V in fp32, copied into fp16 operands at per-tile power-of-two scales
-#endif
+#define INPUT_F32 0  // 1: Q, dO and K|V in fp32, copied into fp16 operands at per-tile power-of-two scales;
+#endif                // 2: as 1, the next tile converted while this one's last products run
+#define AHEAD (INPUT_F32 == 2)
 #if INPUT_F32
 typedef float in_t;
 #else
@@ -178,8 +179,8 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
     half_t* k_s = smem;              // [NK][HD]
     half_t* v_s = k_s + NK * HD;     // [NK][HD]
     half_t* q_s = v_s + NK * HD;     // [2][BQ][HD] (fp32 inputs: one)
-    half_t* do_s = q_s + (2 - INPUT_F32) * BQ * HD;
-    half_t* p_s = do_s + (2 - INPUT_F32) * BQ * HD;  // [BQ][NK]
+    half_t* do_s = q_s + (2 - (INPUT_F32 == 1)) * BQ * HD;
+    half_t* p_s = do_s + (2 - (INPUT_F32 == 1)) * BQ * HD;  // [BQ][NK]
     half_t* ds_s = p_s + BQ * NK;      // [BQ][NK]
     float* staging = reinterpret_cast<float*>(ds_s + BQ * NK);  // fp32 inputs: the next Q, dO [2][BQ][HD]
     __shared__ float red[THREADS / 32];
@@ -194,6 +195,13 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
     const float s_k = to_half_tile<NK>(k_s, kb, 2 * hidden, n_text, red);
     const float s_v = to_half_tile<NK>(v_s, kb + hidden, 2 * hidden, n_text, red);
     float s_q_run = 0.f, s_do_run = 0.f;  // the scales dK^T and dV^T accumulate at
+#if AHEAD
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    float s_q_next = to_half_tile<BQ>(q_s, staging, HD, BQ, red);
+    float s_do_next = to_half_tile<BQ>(do_s, staging + BQ * HD, HD, BQ, red);
+    if (first + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, (first + 1) * BQ, n_video, hidden);
+#endif
 #else
     for (int i = threadIdx.x; i < NK * HD / 8; i += THREADS) {
         const int row = i / (HD / 8), c = 8 * (i % (HD / 8));
@@ -214,12 +222,19 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
     for (int tile = first; tile < last; ++tile) {
         const int row0 = tile * BQ;
 #if INPUT_F32
+#if AHEAD
+        const int buf = (tile - first) & 1;
+        half_t* qt = q_s + buf * BQ * HD;
+        half_t* dot = do_s + buf * BQ * HD;
+        const float s_q = s_q_next, s_do = s_do_next;
+#else
         half_t* qt = q_s;
         half_t* dot = do_s;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         __syncthreads();  // this tile's staging is in; the last tile's chains are done
         const float s_q = to_half_tile<BQ>(qt, staging, HD, BQ, red);
         const float s_do = to_half_tile<BQ>(dot, staging + BQ * HD, HD, BQ, red);
+#endif
         if (s_q != s_q_run) {  // block-uniform: dK^T to this tile's scale
             const float ratio = s_q_run == 0.f ? 0.f : s_q / s_q_run;
 #pragma unroll
@@ -238,7 +253,7 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
         }
         fence_async();
         __syncthreads();  // the operand tiles are stored; the staging is read
-        if (tile + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+        if (!AHEAD && tile + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
 #else
         const int buf = (tile - first) & 1;
         half_t* qt = q_s + buf * BQ * HD;
@@ -321,6 +336,15 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
             ss80<1, 1>(dk, desc<1>(qt, HD, k), desc<1>(ds_s, NK, k), 1);
         }
         wg_commit();
+#if AHEAD
+        if (tile + 1 < last) {  // the next tile into the other operand tiles while the products run
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            __syncthreads();
+            s_q_next = to_half_tile<BQ>(q_s + (buf ^ 1) * BQ * HD, staging, HD, BQ, red);
+            s_do_next = to_half_tile<BQ>(do_s + (buf ^ 1) * BQ * HD, staging + BQ * HD, HD, BQ, red);
+            if (tile + 2 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + 2 * BQ, n_video, hidden);
+        }
+#endif
         wg_wait();
         pin<HD / 8>(oa);
         pin<HD / 8>(dqa);
@@ -362,7 +386,8 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
 }
 """.replace("WGMMA_SOURCE", _wgmma_source())
 # K, V, P, dS (fp16); Q and dO, two tiles of each (fp16 inputs) or one and an fp32 staging of each
-SMEM = {0: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80), 1: 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64}
+SMEM = {0: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80), 1: 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64,
+        2: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64}
 
 
 def _graph_time(run, reps):
@@ -401,7 +426,7 @@ def main():
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
     lean_kernels = {}
-    for f32 in (0, 1):
+    for f32 in (0, 1, 2):
         source = f"#define INPUT_F32 {f32}\n" + SOURCE
         lean_kernels[f32] = kernels.load_cubin(kernels.compile_source(source, "lean_attn", "sm_90a"),
                                                "lean_attn").get_function("lean_attn")
@@ -420,7 +445,7 @@ def main():
         chunks, tiles = layout.n_chunks, layout.tiles_per_chunk
         parts = cupy.full((chunks, b * nt, 2 * d), numpy.nan, numpy.float32)
         cells = []
-        for f32, inputs in ((0, halves), (1, (q, kv, dout))):
+        for f32, inputs in ((0, halves), (1, (q, kv, dout)), (2, (q, kv, dout))):
             kernel = lean_kernels[f32]
             want = split.reference(*(x.astype(numpy.float32) for x in inputs), b, nv, nt, heads, scale)
 
@@ -431,7 +456,7 @@ def main():
             lean()
             got = (o, dq, parts.sum(0))
             errors = [float(cupy.abs(x - y).max() / cupy.abs(y).max()) for x, y in zip(got, want)]
-            cells.append(f"lean, {'fp32' if f32 else 'fp16'} inputs {_graph_time(lean, args.reps):.1f} us "
+            cells.append(f"lean, {('fp16', 'fp32', 'fp32 converted ahead')[f32]} inputs {_graph_time(lean, args.reps):.1f} us "
                          f"({kernel.num_regs} registers; max rel. errors O, dQ, dK|dV "
                          + ", ".join(f"{e:.1e}" for e in errors) + ")")
         library = AttentionBackward(problem, "tf32", sms)
