@@ -58,14 +58,19 @@ SOURCE = r"""
 #define BQ 64      // query rows a tile: one warpgroup
 #define THREADS 128
 typedef unsigned short half_t;  // fp16 bits
-#ifndef INPUT_F32
-#define INPUT_F32 0  // 1: Q, dO and K|V in fp32, copied into fp16 operands at per-tile power-of-two scales;
-#endif                // 2: as 1, the next tile converted while this one's last products run
-#define AHEAD (INPUT_F32 == 2)
+#ifndef INPUTS
+#define INPUTS 0  // 0: Q, dO, K|V in fp16; 1: in fp32, copied into fp16 operands at per-tile power-of-two
+#endif            // scales (K, V per block); 2: Q, dO in fp16 at per-tile scales (to_half_tiles), K|V fp32
+#define INPUT_F32 (INPUTS == 1)
 #if INPUT_F32
 typedef float in_t;
 #else
 typedef half_t in_t;
+#endif
+#if INPUTS == 0
+typedef half_t kv_in_t;
+#else
+typedef float kv_in_t;
 #endif
 
 // wgmma's no-swizzle layout: 8 x 8 core matrices of 128 contiguous bytes, (row / 8, col / 8) at
@@ -172,15 +177,15 @@ __device__ __forceinline__ float to_half_tile(half_t* tile, const float* from, l
 // Grid (chunks, H, B); block (c, h, b) takes query tiles [c * tiles, (c + 1) * tiles) of sample b,
 // head h, and writes its chunk's dK | dV partial (dkv_part [chunks][B * Nt][2D], fp32).
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
-lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* __restrict__ dout,
+lean_attn(const in_t* __restrict__ q, const kv_in_t* __restrict__ kv, const in_t* __restrict__ dout,
           float* __restrict__ o, float* __restrict__ dq, float* __restrict__ dkv_part, int n_video, int n_text,
-          int hidden, int tiles, float scale) {
+          int hidden, int tiles, float scale, const float* __restrict__ tile_scales) {
     extern __shared__ __align__(128) half_t smem[];
     half_t* k_s = smem;              // [NK][HD]
     half_t* v_s = k_s + NK * HD;     // [NK][HD]
     half_t* q_s = v_s + NK * HD;     // [2][BQ][HD] (fp32 inputs: one)
-    half_t* do_s = q_s + (2 - (INPUT_F32 == 1)) * BQ * HD;
-    half_t* p_s = do_s + (2 - (INPUT_F32 == 1)) * BQ * HD;  // [BQ][NK]
+    half_t* do_s = q_s + (2 - INPUT_F32) * BQ * HD;
+    half_t* p_s = do_s + (2 - INPUT_F32) * BQ * HD;  // [BQ][NK]
     half_t* ds_s = p_s + BQ * NK;      // [BQ][NK]
     float* staging = reinterpret_cast<float*>(ds_s + BQ * NK);  // fp32 inputs: the next Q, dO [2][BQ][HD]
     __shared__ float red[THREADS / 32];
@@ -188,20 +193,14 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const in_t* qb = q + (long long)b * n_video * hidden + col;
     const in_t* dob = dout + (long long)b * n_video * hidden + col;
-    const in_t* kb = kv + (long long)b * n_text * 2 * hidden + col;
+    const kv_in_t* kb = kv + (long long)b * n_text * 2 * hidden + col;
     const int n_tiles = (n_video + BQ - 1) / BQ, first = blockIdx.x * tiles, last = min(first + tiles, n_tiles);
-#if INPUT_F32
-    copy_tiles(staging, staging + BQ * HD, qb, dob, first * BQ, n_video, hidden);
+#if INPUTS
+    copy_tiles(INPUT_F32 ? (void*)staging : q_s, INPUT_F32 ? (void*)(staging + BQ * HD) : do_s, qb, dob, first * BQ,
+               n_video, hidden);
     const float s_k = to_half_tile<NK>(k_s, kb, 2 * hidden, n_text, red);
     const float s_v = to_half_tile<NK>(v_s, kb + hidden, 2 * hidden, n_text, red);
     float s_q_run = 0.f, s_do_run = 0.f;  // the scales dK^T and dV^T accumulate at
-#if AHEAD
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    __syncthreads();
-    float s_q_next = to_half_tile<BQ>(q_s, staging, HD, BQ, red);
-    float s_do_next = to_half_tile<BQ>(do_s, staging + BQ * HD, HD, BQ, red);
-    if (first + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, (first + 1) * BQ, n_video, hidden);
-#endif
 #else
     for (int i = threadIdx.x; i < NK * HD / 8; i += THREADS) {
         const int row = i / (HD / 8), c = 8 * (i % (HD / 8));
@@ -221,13 +220,19 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
         for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
     for (int tile = first; tile < last; ++tile) {
         const int row0 = tile * BQ;
-#if INPUT_F32
-#if AHEAD
+#if INPUTS == 2
         const int buf = (tile - first) & 1;
         half_t* qt = q_s + buf * BQ * HD;
         half_t* dot = do_s + buf * BQ * HD;
-        const float s_q = s_q_next, s_do = s_do_next;
-#else
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        fence_async();
+        __syncthreads();  // this tile's Q and dO are in; the last tile's chains are done
+        if (tile + 1 < last)
+            copy_tiles(q_s + (buf ^ 1) * BQ * HD, do_s + (buf ^ 1) * BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+        const float s_q = tile_scales[(b * gridDim.y + blockIdx.y) * n_tiles + tile];
+        const float s_do = tile_scales[((gridDim.z + b) * gridDim.y + blockIdx.y) * n_tiles + tile];
+#endif
+#if INPUT_F32
         half_t* qt = q_s;
         half_t* dot = do_s;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -235,6 +240,7 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
         const float s_q = to_half_tile<BQ>(qt, staging, HD, BQ, red);
         const float s_do = to_half_tile<BQ>(dot, staging + BQ * HD, HD, BQ, red);
 #endif
+#if INPUTS
         if (s_q != s_q_run) {  // block-uniform: dK^T to this tile's scale
             const float ratio = s_q_run == 0.f ? 0.f : s_q / s_q_run;
 #pragma unroll
@@ -251,10 +257,13 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
                 for (int i = 0; i < 4; ++i) dv[n][i] *= ratio;
             s_do_run = s_do;
         }
+#endif
+#if INPUT_F32
         fence_async();
         __syncthreads();  // the operand tiles are stored; the staging is read
-        if (!AHEAD && tile + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
-#else
+        if (tile + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+#endif
+#if INPUTS == 0
         const int buf = (tile - first) & 1;
         half_t* qt = q_s + buf * BQ * HD;
         half_t* dot = do_s + buf * BQ * HD;
@@ -336,15 +345,6 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
             ss80<1, 1>(dk, desc<1>(qt, HD, k), desc<1>(ds_s, NK, k), 1);
         }
         wg_commit();
-#if AHEAD
-        if (tile + 1 < last) {  // the next tile into the other operand tiles while the products run
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
-            __syncthreads();
-            s_q_next = to_half_tile<BQ>(q_s + (buf ^ 1) * BQ * HD, staging, HD, BQ, red);
-            s_do_next = to_half_tile<BQ>(do_s + (buf ^ 1) * BQ * HD, staging + BQ * HD, HD, BQ, red);
-            if (tile + 2 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + 2 * BQ, n_video, hidden);
-        }
-#endif
         wg_wait();
         pin<HD / 8>(oa);
         pin<HD / 8>(dqa);
@@ -366,7 +366,7 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
             }
         }
     }
-#if INPUT_F32
+#if INPUTS
     const float s_q_final = s_q_run, s_do_final = s_do_run;
 #else
     const float s_q_final = 1.f, s_do_final = 1.f;
@@ -384,10 +384,44 @@ lean_attn(const in_t* __restrict__ q, const in_t* __restrict__ kv, const in_t* _
             }
         }
 }
+
+// Q and dO (z < B: Q of sample z, else dO of sample z - B) into fp16 tiles of 64 rows x one head at
+// power-of-two scales from each tile's largest |value| (scales [2][B][H][tiles]).
+extern "C" __global__ void __launch_bounds__(THREADS)
+to_half_tiles(const float* __restrict__ q, const float* __restrict__ dout, half_t* __restrict__ q_h,
+              half_t* __restrict__ do_h, float* __restrict__ scales, int n_video, int batch, int hidden) {
+    __shared__ float red[THREADS / 32];
+    const int which = blockIdx.z / batch, b = blockIdx.z % batch, col = blockIdx.y * HD, row0 = blockIdx.x * BQ;
+    const long long base = ((long long)b * n_video) * hidden + col;
+    const float* x = (which ? dout : q) + base;
+    half_t* y = (which ? do_h : q_h) + base;
+    constexpr int PER_THREAD = BQ * HD / 8 / THREADS;
+    float4 v[PER_THREAD][2];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int chunk = threadIdx.x + THREADS * i, row = row0 + chunk / (HD / 8), c = 8 * (chunk % (HD / 8));
+        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+        v[i][0] = row < n_video ? *reinterpret_cast<const float4*>(x + (long long)row * hidden + c) : zero;
+        v[i][1] = row < n_video ? *reinterpret_cast<const float4*>(x + (long long)row * hidden + c + 4) : zero;
+        amax = fmaxf(amax, fmaxf(fmaxf(fmaxf(fabsf(v[i][0].x), fabsf(v[i][0].y)), fmaxf(fabsf(v[i][0].z), fabsf(v[i][0].w))),
+                                 fmaxf(fmaxf(fabsf(v[i][1].x), fabsf(v[i][1].y)), fmaxf(fabsf(v[i][1].z), fabsf(v[i][1].w)))));
+    }
+    const float s = pow2_scale(block_max(amax, red));
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int chunk = threadIdx.x + THREADS * i, row = row0 + chunk / (HD / 8), c = 8 * (chunk % (HD / 8));
+        if (row < n_video)
+            *reinterpret_cast<uint4*>(y + (long long)row * hidden + c) =
+                make_uint4(pack(v[i][0].x * s, v[i][0].y * s), pack(v[i][0].z * s, v[i][0].w * s),
+                           pack(v[i][1].x * s, v[i][1].y * s), pack(v[i][1].z * s, v[i][1].w * s));
+    }
+    if (threadIdx.x == 0) scales[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = s;
+}
 """.replace("WGMMA_SOURCE", _wgmma_source())
 # K, V, P, dS (fp16); Q and dO, two tiles of each (fp16 inputs) or one and an fp32 staging of each
-SMEM = {0: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80), 1: 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64,
-        2: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64}
+SMEM = {0: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80), 1: 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64}
+SMEM[2] = SMEM[0]
 
 
 def _graph_time(run, reps):
@@ -426,11 +460,12 @@ def main():
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
     lean_kernels = {}
-    for f32 in (0, 1, 2):
-        source = f"#define INPUT_F32 {f32}\n" + SOURCE
-        lean_kernels[f32] = kernels.load_cubin(kernels.compile_source(source, "lean_attn", "sm_90a"),
-                                               "lean_attn").get_function("lean_attn")
-        lean_kernels[f32].max_dynamic_shared_size_bytes = SMEM[f32]
+    for inputs in (0, 1, 2):
+        module = kernels.load_cubin(kernels.compile_source(f"#define INPUTS {inputs}\n" + SOURCE, "lean_attn", "sm_90a"),
+                                    "lean_attn")
+        lean_kernels[inputs] = module.get_function("lean_attn")
+        lean_kernels[inputs].max_dynamic_shared_size_bytes = SMEM[inputs]
+    to_half_tiles = module.get_function("to_half_tiles")
     heads, scale, sms = 16, 0.125, cupy.cuda.Device().attributes["MultiProcessorCount"]
     d = heads * 64
     for shape in args.shapes:
@@ -445,18 +480,26 @@ def main():
         chunks, tiles = layout.n_chunks, layout.tiles_per_chunk
         parts = cupy.full((chunks, b * nt, 2 * d), numpy.nan, numpy.float32)
         cells = []
-        for f32, inputs in ((0, halves), (1, (q, kv, dout)), (2, (q, kv, dout))):
-            kernel = lean_kernels[f32]
-            want = split.reference(*(x.astype(numpy.float32) for x in inputs), b, nv, nt, heads, scale)
+        n_tiles = -(-nv // 64)
+        q_h, do_h = cupy.empty((b * nv, d), numpy.float16), cupy.empty((b * nv, d), numpy.float16)
+        tile_scales = cupy.empty((2, b, heads, n_tiles), numpy.float32)
+        for form, inputs in ((0, halves), (1, (q, kv, dout)), (2, (q_h, kv, do_h))):
+            kernel = lean_kernels[form]
+            want = split.reference(*(x.astype(numpy.float32) for x in (halves if form == 0 else (q, kv, dout))),
+                                   b, nv, nt, heads, scale)
 
             def lean():
+                if form == 2:
+                    to_half_tiles((n_tiles, heads, 2 * b), (128,), (q, dout, q_h, do_h, tile_scales, numpy.int32(nv),
+                                                                     numpy.int32(b), numpy.int32(d)))
                 kernel((chunks, heads, b), (128,), (*inputs, o, dq, parts, numpy.int32(nv), numpy.int32(nt),
-                                                     numpy.int32(d), numpy.int32(tiles), numpy.float32(scale)),
-                       shared_mem=SMEM[f32])
+                                                     numpy.int32(d), numpy.int32(tiles), numpy.float32(scale),
+                                                     tile_scales),
+                       shared_mem=SMEM[form])
             lean()
             got = (o, dq, parts.sum(0))
             errors = [float(cupy.abs(x - y).max() / cupy.abs(y).max()) for x, y in zip(got, want)]
-            cells.append(f"lean, {('fp16', 'fp32', 'fp32 converted ahead')[f32]} inputs {_graph_time(lean, args.reps):.1f} us "
+            cells.append(f"lean, {('fp16', 'fp32', 'fp32 through a per-tile fp16 conversion')[form]} inputs {_graph_time(lean, args.reps):.1f} us "
                          f"({kernel.num_regs} registers; max rel. errors O, dQ, dK|dV "
                          + ", ".join(f"{e:.1e}" for e in errors) + ")")
         library = AttentionBackward(problem, "tf32", sms)
