@@ -5,6 +5,7 @@ workspace (the per-chunk dK/dV partials, the per-key-part dQ partials).
 """
 
 import collections
+import os
 
 import numpy
 
@@ -81,7 +82,7 @@ def operand_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
-def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False, kv_half=False):
+def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False, kv_half=False, qdo_half=False):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT, and whether it
     runs on wgmma: its tiles are then unpadded core matrices; and whether the kernel reads an fp16
@@ -99,12 +100,12 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
     p_ds_tiles = 2 if operand_bytes(precision) == 2 else 1  # P and dS, or dS over P
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
-        if wgmma:  # fp16, unpadded: K, V, Q, dO, P, dS
-            smem = 2 * (2 * keys * head_dim + 2 * rows * head_dim + 2 * rows * keys)
+        if wgmma:  # fp16, unpadded: K, V, Q, dO, P, dS (qdo_half, attn_bwd_lean: Q and dO twice)
+            smem = 2 * (2 * keys * head_dim + 2 * (1 + qdo_half) * rows * head_dim + 2 * rows * keys)
         else:
             p_ds = rows * (_padded(keys, 32) + 8) * p_ds_tiles
             smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
-        return "attn_bwd_resident", keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
+        return ("attn_bwd_lean" if qdo_half else "attn_bwd_resident"), keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     p_ds = BLOCK_Q * (kv + 8) * p_ds_tiles
     smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row * (1 + kv_half) + p_ds)
@@ -126,6 +127,16 @@ def uses_wgmma(layout, precision, compute_capability):
             and layout.key_split == 1 and operand_bytes(precision) == 2)
 
 
+def half_qdo(problem, precision, sm_count):
+    """Whether Q0 and dO reach the attention as fp16, from their GEMMs at the alpha of [K0 | V0]'s
+    (attn_bwd_lean, ATTN_QDO_HALF): the fp16 mode where the resident kernel runs on wgmma. Then
+    [K0 | V0] is fp16 too (half_kv). XA_LEAN=0 turns it off (an A/B switch)."""
+    if precision != "fp16" or os.environ.get("XA_LEAN", "1") == "0":
+        return False
+    return uses_wgmma(launch_layout(problem, precision, sm_count), precision,
+                      import_cupy().cuda.Device().compute_capability)
+
+
 def half_kv(problem, precision, sm_count):
     """Whether [K0 | V0] reaches the attention as fp16 (ATTN_KV_HALF), its tiles copied by cp.async as
     they are: in the fp16 mode, by the streamed kernel, and by the resident one where its blocks take
@@ -137,7 +148,8 @@ def half_kv(problem, precision, sm_count):
     if precision not in ("fp16", "tf32"):
         return False
     layout = launch_layout(problem, precision, sm_count)
-    return layout.keys == 0 or (precision == "fp16" and layout.tiles_per_chunk <= KV_HALF_RESIDENT_TILES)
+    return layout.keys == 0 or (precision == "fp16" and (layout.tiles_per_chunk <= KV_HALF_RESIDENT_TILES
+                                                         or half_qdo(problem, precision, sm_count)))
 
 
 def o_t_stride(rows):
@@ -259,7 +271,7 @@ class AttentionBackward:
                                     + (kv_parts if kv_parts > 1 else 0) * p.batch_size * p.num_video_tokens)
 
     def __init__(self, problem, precision, sm_count, o_transposed=False, o_half=False, reduce_parts=True,
-                 kv_half=False, dq_transposed=False):
+                 kv_half=False, dq_transposed=False, qdo_half=False):
         check_head_dim(problem)
         if o_half and (o_transposed or precision not in ("fp16", "fp32")):
             raise ValueError(f"an fp16 O is written row-major in the fp16 and fp32 modes, not with "
@@ -267,8 +279,10 @@ class AttentionBackward:
         if kv_half and not (half_kv(problem, precision, sm_count) and o_half == (precision == "fp16")):
             raise ValueError("an fp16 [K0 | V0] goes where half_kv says (fp16 mode with o_half, whose o_scales "
                              "give its scale; tf32 mode)")
+        if qdo_half and not (half_qdo(problem, precision, sm_count) and kv_half and o_half):
+            raise ValueError("an fp16 Q0 and dO go where half_qdo says, with an fp16 [K0 | V0] and O")
         cupy = import_cupy()
-        self.o_half, self.kv_half = o_half, kv_half
+        self.o_half, self.kv_half, self.qdo_half = o_half, kv_half, qdo_half
         self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
         self.problem = problem
         layout = launch_layout(problem, precision, sm_count)
@@ -280,8 +294,8 @@ class AttentionBackward:
         self.dq_transposed = dq_transposed
         self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
         if self.wgmma or kv_half:
-            self._smem_bytes = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split, self.wgmma,
-                                             kv_half)[3]
+            name, _, _, self._smem_bytes, _ = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split,
+                                                            self.wgmma, kv_half, qdo_half)
         arch = "sm_90a" if self.wgmma else None
         self._threads = rows // 16 * 32 * split
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
@@ -291,7 +305,8 @@ class AttentionBackward:
                    "ATTN_KEYS": keys, "ATTN_KEY_SPLIT": split,
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
                    "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma), "ATTN_KV_HALF": int(kv_half),
-                   "ATTN_KV_PARTS": self.kv_parts, "ATTN_DQ_TRANSPOSED": int(dq_transposed)}
+                   "ATTN_KV_PARTS": self.kv_parts, "ATTN_DQ_TRANSPOSED": int(dq_transposed),
+                   "ATTN_QDO_HALF": int(qdo_half)}
         self._main = kernels.get_kernel(SOURCE, name, defines, arch)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -325,7 +340,7 @@ class AttentionBackward:
         return self._dq_part
 
     def __call__(self, q0, kv0, bias_addresses, dout, o, dq, dkv, text_lengths=None, o_scales=None, o_lo=None,
-                 kv_scale=None, dq_t=None, dq_sums=None):
+                 kv_scale=None, dq_t=None, dq_sums=None, qdo_scales=None):
         """Launch on the current stream.
 
         Parameters
@@ -357,8 +372,17 @@ class AttentionBackward:
             as O^T; its columns from B·Nv on are not written) and of dQ's column sums, float32
             (dq_sums_rows(B, Nv), D): row b·⌈Nv/16⌉ + k holds the sums of rows [16k, 16k + 16) of
             sample b (rows past Nv count as 0).
+        qdo_scales : with qdo_half (and only then), device addresses of inv_x, inv_wq and inv_wo (float32
+            scalars), the inverse scales of the fp16 copies that ``q0`` and ``dout`` were computed from:
+            then q0 is float16 (X Wq^T) · s_X · s_Wq · kv_half_alpha(D) and dout float16
+            dO · s_dY · s_Wo · kv_half_alpha(D) (inv_dy is ``o_scales``').
         """
         p = self.problem
+        if (q0.dtype == numpy.float16) != self.qdo_half or dout.dtype != q0.dtype:
+            raise ValueError(f"q0 and dout are float16 with qdo_half, else float32: got {q0.dtype}, {dout.dtype} "
+                             f"with qdo_half={self.qdo_half}")
+        if (qdo_scales is None) == self.qdo_half or (qdo_scales is not None and len(qdo_scales) != 3):
+            raise ValueError("qdo_scales (inv_x, inv_wq, inv_wo) go with qdo_half, and only with it")
         if (kv0.dtype == numpy.float16) != self.kv_half:
             raise ValueError(f"kv0 is float16 with kv_half, else float32: got {kv0.dtype} with kv_half={self.kv_half}")
         if (kv_scale is None) == (self.kv_half and not self.o_half):
@@ -386,7 +410,8 @@ class AttentionBackward:
              numpy.int32(self.tiles_per_chunk), numpy.float32(p.scale))
             + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES)))
             + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0), numpy.uint64(dq_t or 0),
-               numpy.uint64(dq_sums or 0)),
+               numpy.uint64(dq_sums or 0))
+            + tuple(numpy.uint64(a) for a in (qdo_scales or ())),
             shared_mem=self._smem_bytes)
         if self._reduce is not None:
             for parts, total, n4, grid in zip((self._dkv_part, self._dq_part), (dkv, dq), self._n4, self._reduce_grids):

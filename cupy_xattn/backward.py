@@ -48,7 +48,8 @@ import numpy
 from . import _cublas
 from .gemm import COMPUTE_32F as _COMPUTE_32F, COMPUTE_TYPE, OP_N, OP_T, R_16F as _R_16F, R_32F as _R_32F
 from ._cupy import import_cupy
-from .attention_bwd import AttentionBackward, dq_sums_rows, half_kv, kv_half_alpha, launch_layout, o_t_stride
+from .attention_bwd import (AttentionBackward, dq_sums_rows, half_kv, half_qdo, kv_half_alpha, launch_layout,
+                            o_t_stride)
 from .grads import INPUT_NAMES, CrossAttentionGrads
 from .half_scaling import HalfScaler, column_sum_rows
 from .transpose import Transposed
@@ -249,12 +250,15 @@ class Backward:
         # tf32 "tn": the attention writes O^T, an operand of dWo = dY^T O read K-major, whose padding
         # columns stay zero (the weight gradients run over the padded K: see _record_tf32).
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
-        kv_half = half_kv(problem, precision, sm_count)
+        kv_half, qdo_half = half_kv(problem, precision, sm_count), half_qdo(problem, precision, sm_count)
         self._attention = AttentionBackward(problem, precision, sm_count, o_transposed=video_tn,
                                             o_half=_half_mode(precision), reduce_parts=not _half_mode(precision),
-                                            kv_half=kv_half, dq_transposed=_dq_transposed(problem, precision, sm_count))
+                                            kv_half=kv_half, dq_transposed=_dq_transposed(problem, precision, sm_count),
+                                            qdo_half=qdo_half)
         self._dq_t = None, None  # dQ^T and dQ's column sums where the attention writes them (_record_tf32)
-        self._q0, self._dout = f32(mv, d), f32(mv, d)
+        self._qdo_scales = None  # qdo_half: inv_x, inv_wq, inv_wo (see _record)
+        qdo_type = numpy.float16 if qdo_half else numpy.float32  # Q0, dO (qdo_half: fp16, from their GEMMs)
+        self._q0, self._dout = cupy.empty((mv, d), qdo_type), cupy.empty((mv, d), qdo_type)
         kv0_dtype, kv0_copy = _kv0_buffers(precision, kv_half)
         self._kv0 = cupy.empty((mt, 2 * d), kv0_dtype)
         self._kv0_half = cupy.empty((mt, 2 * d), numpy.float16) if kv0_copy else None
@@ -295,10 +299,11 @@ class Backward:
         video_tn = _weight_grads_tn(precision, mv, mt)[0]
         layout = launch_layout(problem, precision, sm_count)
         n_chunks, kv_parts = layout.n_chunks, layout.kv_parts
-        fp32 = 4 * (2 * mv * d + math.prod(_summed_shape(precision, kv_parts, (mv, d)))
+        fp32 = (2 if half_qdo(problem, precision, sm_count) else 4) * 2 * mv * d  # Q0, dO
+        fp32 += 4 * (math.prod(_summed_shape(precision, kv_parts, (mv, d)))
                     + math.prod(_o_shape(precision, video_tn, mv, d))
                     + math.prod(_summed_shape(precision, n_chunks, (mt, 2 * d)))
-                    + max(mv, mt))  # Q0, dO; dQ; O (or O^T); [dK|dV]; ones
+                    + max(mv, mt))  # dQ; O (or O^T); [dK|dV]; ones
         kv0_dtype, kv0_copy = _kv0_buffers(precision, half_kv(problem, precision, sm_count))
         fp32 += (numpy.dtype(kv0_dtype).itemsize + 2 * kv0_copy) * mt * 2 * d  # [K0|V0] and its fp16 copy
         fp16 = {"fp16": 1, "fp32": 2, "tf32": 0}[precision] * 2 * sum(_half_elements(mv, mt, d))  # fp32: + lo
@@ -388,23 +393,25 @@ class Backward:
         half = dict(data_type=_R_16F)
         sms = _sm_shares(self.precision, mv, mt, d, self._sm_count)
 
+        # fp16 outputs at alpha kv_half_alpha: every element under 2^14 (attention_bwd)
+        fp16_out = dict(alpha=addr(self._constants, 8), out_type=_R_16F)
+        qdo_half = self._q0.dtype == numpy.float16
         self._fork()
-        gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
-             alpha=alpha(_X, _WQ), sm_target=sms["q0"], **half)
-        if self._kv0.dtype == numpy.float16:  # at alpha kv_half_alpha: every element under 2^14 (attention_bwd)
-            kv_out = dict(alpha=addr(self._constants, 8), out_type=_R_16F)
-        else:
-            kv_out = dict(alpha=alpha(_T, _WKV))
+        gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True, sm_target=sms["q0"],
+             **(fp16_out if qdo_half else dict(alpha=alpha(_X, _WQ))), **half)
+        kv_out = fp16_out if self._kv0.dtype == numpy.float16 else dict(alpha=alpha(_T, _WKV))
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, self._kv0.itemsize * d)], m=mt, n=d, k=d, lda=d,
              ldb=d, ldc=2 * d, trans_b=True, lane=1, sm_target=sms["kv0"], **kv_out, **half)
-        gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, alpha=alpha(_DY, _WO), lane=2,
-             sm_target=sms["dout"], **half)
+        gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, lane=2, sm_target=sms["dout"],
+             **(fp16_out if qdo_half else dict(alpha=alpha(_DY, _WO))), **half)
         self._join()
         # dWo's alpha, written by the attention (see below); fp32: and the alpha of the product of
         # O's remainder, which the attention writes at a scale of its own
         inv, self._alpha_o = self._scaler.inverse_scale, cupy.empty(2, numpy.float32)
         self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_DY), inv(_O), addr(self._alpha_o)),
                         None if self._lo_offset is None else O + self._lo_offset)
+        if qdo_half:
+            self._qdo_scales = inv(_X), inv(_WQ), inv(_WO)
         self._record_attention()
         # dWo = dY^T O reads the attention's fp16 O and the first group's dY: it runs beside the
         # second conversion (the large cases overlap its products with the copy's bandwidth),
@@ -543,7 +550,8 @@ class Backward:
             kv0, kv_scale = self._kv0_half, self._kv_scaler.inverse_scale(0)
         attention, buffers = self._attention, (self._q0, kv0, biases, self._dout, o, self._dq, self._dkv,
                                                self._text_lengths, o_scales, o_lo, kv_scale, *self._dq_t)
-        self._steps.append(("attention", lambda: attention(*buffers), 0))
+        qdo_scales = self._qdo_scales
+        self._steps.append(("attention", lambda: attention(*buffers, qdo_scales=qdo_scales), 0))
 
     def _record_column_sums(self, sources, outputs, rows, ld, lane):
         """Bias gradients: fp32 column sums of [rows][D] fp32 matrices (row stride ``ld``), a ones row

@@ -275,23 +275,26 @@ __device__ __forceinline__ int pass2_tile(int part, int kv_tiles) {
 }
 
 // The operands of block (chunk · ATTN_KV_PARTS + part, head, batch): column offsets of its head,
-// row offsets of its batch, its own slice of the dK/dV partials and its part of dQ.
+// row offsets of its batch, its own slice of the dK/dV partials and its part of dQ. In: Q0's and
+// dO's type (fp32, or fp16 bits in attn_bwd_lean).
+template <typename In>
 struct HeadSlices {
-    const float *q, *dout;
+    const In *q, *dout;
     const kv_t *k, *v;
     o_t* o;
     float *dq, *dk, *dv;
     float *dq_t, *dq_sums;  // ATTN_DQ_TRANSPOSED
 };
 
-__device__ __forceinline__ HeadSlices head_slices(const float* q0, const kv_t* kv0, const float* dout, o_t* o,
-                                                  float* dq, float* dkv_part, int n_video, int n_text, int hidden,
-                                                  int ld_o, float* dq_t, float* dq_sums) {
+template <typename In>
+__device__ __forceinline__ HeadSlices<In> head_slices(const In* q0, const kv_t* kv0, const In* dout, o_t* o, float* dq,
+                                                      float* dkv_part, int n_video, int n_text, int hidden, int ld_o,
+                                                      float* dq_t, float* dq_sums) {
     const int chunk = blockIdx.x / ATTN_KV_PARTS, part = blockIdx.x % ATTN_KV_PARTS;
     const int head = blockIdx.y, batch = blockIdx.z;
     const long long ld_kv = 2LL * hidden, col = head * ATTN_HEAD_DIM;
     const long long video = (long long)batch * n_video * hidden + col;
-    HeadSlices h;
+    HeadSlices<In> h;
     h.q = q0 + video;
     h.dout = dout + video;
     h.o = ATTN_O_TRANSPOSED ? o + col * ld_o + (long long)batch * n_video : o + video;
@@ -391,7 +394,8 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 #endif
 }
 
-// s_KV, the scale of the fp16 [K0 | V0] (ATTN_KV_HALF): its GEMM multiplies the copies of T and
+// s_KV, the scale of the fp16 [K0 | V0] (ATTN_KV_HALF; product_half_scale, as attn_bwd_lean's Q0 and
+// dO from the copies of X and Wq, dY and Wo): its GEMM multiplies the copies of T and
 // [Wk; Wv], each element under 2^15 in magnitude (half_scaling.cu's window), so each sum is under
 // hidden · 2^30 and the GEMM's alpha, 2^-(16 + ⌈log2 hidden⌉) (backward.py), puts it under 2^14:
 // s_KV = s_T · s_W · alpha. Exponent arithmetic, clamped to fp32's normal range, which it leaves
@@ -399,10 +403,12 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 // or over ~2^(136 − ⌈log2 hidden⌉), 2^∓126 at hidden 1024 (README: the fp16 mode's limits).
 // The tf32 mode converts its fp32 [K0 | V0] instead (half_scaling.cu, at the scale of its own max) and
 // passes inv_kv, 1 / s_KV, a power of two (null in the fp16 mode).
-__device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w, const float* inv_kv) {
-    if (inv_kv) return pow2(-exponent_of(*inv_kv));
+__device__ __forceinline__ float product_half_scale(int hidden, const float* inv_a, const float* inv_b) {
     const int log2_hidden = 32 - __clz(hidden - 1);
-    return pow2(min(max(-exponent_of(*inv_t) - exponent_of(*inv_w) - 16 - log2_hidden, -126), 126));
+    return pow2(min(max(-exponent_of(*inv_a) - exponent_of(*inv_b) - 16 - log2_hidden, -126), 126));
+}
+__device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w, const float* inv_kv) {
+    return inv_kv ? pow2(-exponent_of(*inv_kv)) : product_half_scale(hidden, inv_t, inv_w);
 }
 
 // Block (0, 0, 0) leaves 1 / s_O in inv_o (the scale of O's slot, for the alphas the second
@@ -462,7 +468,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const float* bq = biases[0] + col;
     stage_value_bias(bv_s, biases[2] + col);  // read after pass 1's barriers
-    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
+    const auto hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -699,6 +705,175 @@ __device__ __forceinline__ void row_sync(int row_group) {
 #define ATTN_RESIDENT_MIN_BLOCKS 2
 #endif
 
+#if ATTN_WGMMA
+// dK and dV of the block's chunk from the wgmma builds' dK^T and dV^T accumulators (warp w holds
+// head-dim rows 16w + g (+ 8), keys 8j + 2t (+ 1)); rows past n_text are padding.
+template <int NT>
+__device__ __forceinline__ void store_transposed_dk_dv(float* dk, float* dv, long long ld_kv, int n_text,
+                                                       const float (&dk_acc)[NT][4], const float (&dv_acc)[NT][4],
+                                                       int warp, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = 8 * j + 2 * t + (i & 1), dim = 16 * warp + g + 8 * (i >> 1);
+            if (key < n_text) {
+                dk[key * ld_kv + dim] = dk_acc[j][i];
+                dv[key * ld_kv + dim] = dv_acc[j][i];
+            }
+        }
+}
+#endif
+
+#ifndef ATTN_QDO_HALF
+#define ATTN_QDO_HALF 0  // 1: attn_bwd_lean instead of attn_bwd_resident (the fp16 mode's fp16 Q0 and dO)
+#endif
+static_assert(!ATTN_QDO_HALF || (ATTN_WGMMA && ATTN_KV_HALF && ATTN_O_HALF && !ATTN_SPLIT3 && ATTN_KEY_SPLIT == 1 &&
+                                 ATTN_BLOCK_Q == 64 && !ATTN_DQ_TRANSPOSED && ATTN_KV_PARTS == 1),
+              "attn_bwd_lean: the fp16 mode's wgmma build, 64 query rows, fp16 K0|V0 and O");
+
+#if ATTN_QDO_HALF
+// attn_bwd_resident's math with a shorter chain a tile (perf-notes, Session 30), for the fp16 mode
+// on sm_90a, where Q0 = X Wq^T and dO = dY Wo arrive as fp16 (their GEMMs' alpha as [K0 | V0]'s:
+// product_half_scale) and are copied into the operand tiles as they are, the next tile's while
+// this one is used. Every product is a wgmma: S = Q K^T and dP = dO V^T together; then P and dS
+// stay in registers as the A operands of O = P V and dQ = dS K, and go to shared memory once for
+// dV^T += dO^T P and dK^T += Q^T dS, the four chains in flight together. bq goes into the Q tile
+// after its copy (each thread adds it to the pieces it copied); dS's scale comes from the block's
+// largest |dP| (ds_observed_scale, as the streamed kernel's), as dO's scale, from a bound on its
+// GEMM, is too loose for ds_bound_scale. Same arguments as attn_bwd_resident, with Q0 and dO as
+// fp16 bits and 1 / s_X, 1 / s_Wq and 1 / s_Wo after them (the copies' inverse scales).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
+attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv0,
+              const float* const* __restrict__ biases, const unsigned short* __restrict__ dout, o_t* __restrict__ o,
+              float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
+              int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
+              const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
+              const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o,
+              long long o_lo_offset, const float* __restrict__ inv_kv, float* __restrict__ dq_t,
+              float* __restrict__ dq_sums, const float* __restrict__ inv_x, const float* __restrict__ inv_wq,
+              const float* __restrict__ inv_wo) {
+    wait_for_inputs();
+    constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8, TILE = ATTN_BLOCK_Q * LD_HD;
+    extern __shared__ __align__(128) float4 smem4[];  // 128-byte core matrices
+    operand_t* k_s = reinterpret_cast<operand_t*>(smem4);  // [NK][LD_HD]
+    operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
+    operand_t* q_tiles = v_s + NK * LD_HD;                  // [2][ATTN_BLOCK_Q][LD_HD]: this tile's, the next
+    operand_t* do_tiles = q_tiles + 2 * TILE;               // [2][ATTN_BLOCK_Q][LD_HD]
+    operand_t* p_s = do_tiles + 2 * TILE;                   // [ATTN_BLOCK_Q][LD_P]: P
+    operand_t* ds_s = p_s + ATTN_BLOCK_Q * LD_P;            // [ATTN_BLOCK_Q][LD_P]: dS
+    __shared__ float red[ATTN_THREADS / 32];                // the tile's largest |dP|
+    __shared__ __align__(8) float bv_s[ATTN_HEAD_DIM];      // bv (stage_value_bias)
+
+    const int col = blockIdx.y * ATTN_HEAD_DIM;
+    const auto hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
+    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
+    stage_value_bias(bv_s, biases[2] + col);
+    const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
+    const long long ld_kv = 2LL * hidden;
+    const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
+    const int first = blockIdx.x * tiles_per_chunk, last = min(first + tiles_per_chunk, n_q_tiles);
+    copy_half_tile<NK>(k_s, hs.k, ld_kv, 0, n_keys);
+    copy_half_tile<NK>(v_s, hs.v, ld_kv, 0, n_keys);
+    copy_half_tile<ATTN_BLOCK_Q>(q_tiles, hs.q, hidden, first * ATTN_BLOCK_Q, n_video);
+    copy_half_tile<ATTN_BLOCK_Q>(do_tiles, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
+    cp_async_commit();
+    const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
+    const float s_q = product_half_scale(hidden, inv_x, inv_wq), s_do = product_half_scale(hidden, inv_dy, inv_wo);
+    const float s_o = o_half_scale(hidden, inv_t, inv_w, inv_bv);
+    const float factor = score_factor(scale * 1.4426950408889634f, s_q, s_k);
+    // bq · s_q at the 8 columns of every piece this thread copies (for_each_half_piece: one column a thread)
+    static_assert(ATTN_THREADS % (ATTN_HEAD_DIM / 8) == 0, "a thread's pieces share their columns");
+    float bq_s[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) bq_s[j] = biases[0][col + threadIdx.x % (ATTN_HEAD_DIM / 8) * 8 + j] * s_q;
+
+    float dk_acc[NT_K][4], dv_acc[NT_K][4];  // dK^T at ds_run.s · s_q, dV^T at P_SCALE · s_do
+    zero<NT_K>(dk_acc);
+    zero<NT_K>(dv_acc);
+    RunScale ds_run;
+    for (int qt = first; qt < last; ++qt) {
+        const int q_row0 = qt * ATTN_BLOCK_Q, buf = (qt - first) & 1;
+        operand_t* q_s = q_tiles + buf * TILE;
+        operand_t* do_s = do_tiles + buf * TILE;
+        cp_async_wait_all();  // this thread's copies are in and visible to it: bq into its pieces of Q
+        for_each_half_piece<ATTN_BLOCK_Q>([&](int row, int c) {
+            uint4* piece = reinterpret_cast<uint4*>(q_s + operand_offset(row, c, LD_HD));
+            *piece = add_to_halves(*piece, bq_s);
+        });
+        fence_operands();
+        __syncthreads();  // this tile's Q and dO (and K, V) are stored; the last tile's products are done
+        if (qt + 1 < last) {
+            copy_half_tile<ATTN_BLOCK_Q>(q_tiles + (buf ^ 1) * TILE, hs.q, hidden, q_row0 + ATTN_BLOCK_Q, n_video);
+            copy_half_tile<ATTN_BLOCK_Q>(do_tiles + (buf ^ 1) * TILE, hs.dout, hidden, q_row0 + ATTN_BLOCK_Q, n_video);
+            cp_async_commit();
+        }
+        float p[NT_K][4], dp[NT_K][4];
+        wg_issue<NK, 0, 0>(p, q_s, ATTN_HEAD_DIM, k_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
+        wg_issue<NK, 0, 0>(dp, do_s, ATTN_HEAD_DIM, v_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
+        wg_wait();
+        pin_accumulators<NK>(p);
+        pin_accumulators<NK>(dp);
+        unscale<NT_K>(dp, s_do, s_v);
+        float dp_max = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT_K; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dp_max = fmaxf(dp_max, finite_abs(dp[n][i]));
+        publish_max(red, dp_max);  // read after the barrier below
+        mask_scores<NT_K>(p, 0, n_keys, factor, t);
+        float d_row[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
+            mx = quad_max(mx);  // finite: n_keys ≥ 1
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n)
+#pragma unroll
+                for (int i = 2 * h; i < 2 * h + 2; ++i) sum += (p[n][i] = exp2f(p[n][i] - mx));
+            const float norm = 1.f / quad_sum(sum);
+            float dot = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_K; ++n)
+#pragma unroll
+                for (int i = 2 * h; i < 2 * h + 2; ++i) dot += (p[n][i] *= norm) * dp[n][i];
+            d_row[h] = quad_sum(dot);
+        }
+        score_grads<NT_K>(dp, p, d_row, scale);  // dS, in the dp registers
+        __syncthreads();  // red: the tile's largest |dP|
+        ds_run.update(ds_observed_scale(red, scale));
+        if (ds_run.ratio != 1.f) scale_all<NT_K>(dk_acc, ds_run.ratio);  // block-uniform
+        unsigned p_frag[NK / 16][4], ds_frag[NK / 16][4];
+        store_fragments<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t, p_frag);
+        store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_run.s, g, t, ds_frag);
+        fence_operands();
+        __syncthreads();  // every row of P and dS is stored
+        float o_acc[NT_HD][4], dq_acc[NT_HD][4];
+        wg_issue_rs<1>(o_acc, p_frag, v_s, ATTN_HEAD_DIM);    // O = P V0
+        wg_issue_rs<1>(dq_acc, ds_frag, k_s, ATTN_HEAD_DIM);  // dQ = dS K
+        wg_issue<NK, 1, 1>(dv_acc, do_s, ATTN_HEAD_DIM, p_s, LD_P, ATTN_BLOCK_Q / 16, true);  // dV^T += dO^T P
+        wg_issue<NK, 1, 1>(dk_acc, q_s, ATTN_HEAD_DIM, ds_s, LD_P, ATTN_BLOCK_Q / 16, true);  // dK^T += Q^T dS
+        wg_wait();
+        pin_accumulators<ATTN_HEAD_DIM>(o_acc);
+        pin_accumulators<ATTN_HEAD_DIM>(dq_acc);
+        pin_accumulators<NK>(dv_acc);
+        pin_accumulators<NK>(dk_acc);
+        unscale<NT_HD>(o_acc, P_SCALE, s_v);
+        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv
+        store_o<NT_HD>(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, s_o, o_lo_offset);
+        unscale<NT_HD>(dq_acc, ds_run.s, s_k);
+        store_dq<NT_HD>(hs.dq, nullptr, nullptr, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+    }
+    unscale<NT_K>(dk_acc, ds_run.s, s_q);
+    unscale<NT_K>(dv_acc, P_SCALE, s_do);
+    store_transposed_dk_dv<NT_K>(hs.dk, hs.dv, ld_kv, n_text, dk_acc, dv_acc, warp, g, t);
+}
+#else
+
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, ATTN_RESIDENT_MIN_BLOCKS)
 attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
                   const float* const* __restrict__ biases, const float* __restrict__ dout, o_t* __restrict__ o,
@@ -726,7 +901,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     __shared__ float part_d[ATTN_KEY_SPLIT][ATTN_BLOCK_Q];     // ... and its part of D
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;  // biases: see attn_bwd
-    const HeadSlices hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
+    const auto hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // (Without the split, part is 0 at compile time: as warp / ROW_WARPS, nvcc 13 kept the offsets
@@ -919,16 +1094,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
 
     // This chunk's dK and dV (rows past n_text are padding).
 #if ATTN_WGMMA
-#pragma unroll
-    for (int j = 0; j < PER_WARP; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int key = 8 * j + 2 * t + (i & 1), dim = 16 * warp + g + 8 * (i >> 1);
-            if (key < n_text) {
-                hs.dk[key * ld_kv + dim] = dk_acc[j][i];
-                hs.dv[key * ld_kv + dim] = dv_acc[j][i];
-            }
-        }
+    store_transposed_dk_dv<PER_WARP>(hs.dk, hs.dv, ld_kv, n_text, dk_acc, dv_acc, warp, g, t);
 #else
 #pragma unroll
     for (int j = 0; j < PER_WARP; ++j) {
@@ -944,6 +1110,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     }
 #endif
 }
+#endif  // ATTN_QDO_HALF
 #endif
 
 // sum[i] = Σ_c parts[c][i], summed in part order (deterministic): the query chunks' dK/dV, the key

@@ -405,6 +405,26 @@ __device__ __forceinline__ void wg_issue(float (&c)[N / 8][4], const operand_t* 
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
+// c (+)= A·B^T for the block's 64 rows, N = 64, K = 16·k_steps, with A from registers: a[k] holds
+// k step k's fragment of the warp's 16 rows (mma.sync's m16k16 A layout, f16x2: what an m64nK
+// accumulator tile packed in pairs gives, store_fragments), B from tile b as wg_issue's.
+template <int TB, int K_STEPS>
+__device__ __forceinline__ void wg_issue_rs(float (&c)[8][4], const unsigned (&a)[K_STEPS][4], const operand_t* b,
+                                            int b_cols) {
+    const unsigned b_lbo = TB ? b_cols * 16 : 128, b_sbo = TB ? 128 : b_cols * 16;
+    pin_accumulators<64>(c);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < K_STEPS; ++k)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WG_REGS_32 "}, {%32, %33, %34, %35}, %36, "
+                     "p, 1, 1, %38;\n}\n"
+                     : WG_OUT_2(0), WG_OUT_2(2), WG_OUT_2(4), WG_OUT_2(6)
+                     : "r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]),
+                       "l"(wg_desc(b, k * 2 * b_lbo, b_lbo, b_sbo)), "r"(k), "n"(TB));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
 // Wait for every chain issued so far; pin_accumulators on each of their accumulators after it.
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
@@ -700,6 +720,36 @@ __device__ __forceinline__ void store_acc(operand_t* m, int ld, int r0, const fl
         store_pair(m + operand_offset(r0 + g + 8, n * 8 + 2 * t, ld), c[n][2], c[n][3], s);
     }
 }
+
+#if ATTN_WGMMA
+// store_acc's stores (fp16), and the same pairs as wg_issue_rs's A fragments: k step j (columns
+// 16j … 16j + 15) holds rows g, g + 8 at columns 16j + 2t (+ 1), then at 16j + 8 + 2t (+ 1).
+template <int NT>
+__device__ __forceinline__ void store_fragments(operand_t* m, int ld, int r0, const float c[NT][4], float s, int g,
+                                                int t, unsigned (&a)[NT / 2][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const unsigned low = pack_half2(c[n][0] * s, c[n][1] * s), high = pack_half2(c[n][2] * s, c[n][3] * s);
+        a[n / 2][2 * (n % 2)] = low;
+        a[n / 2][2 * (n % 2) + 1] = high;
+        *reinterpret_cast<unsigned*>(m + operand_offset(r0 + g, n * 8 + 2 * t, ld)) = low;
+        *reinterpret_cast<unsigned*>(m + operand_offset(r0 + g + 8, n * 8 + 2 * t, ld)) = high;
+    }
+}
+
+// Eight fp16 values (a 16-byte piece) plus b[0..7], rounded to fp16 again.
+__device__ __forceinline__ uint4 add_to_halves(uint4 piece, const float (&b)[8]) {
+    unsigned w[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float lo, hi;
+        asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+            : "=f"(lo), "=f"(hi) : "r"(w[i]));
+        w[i] = pack_half2(lo + b[2 * i], hi + b[2 * i + 1]);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+#endif
 
 // Multiply a warp's accumulator tile by f.
 template <int NT>

@@ -94,6 +94,16 @@ def test_wgmma_attention_compiles_for_sm_90a(defines):
         kernels.compile_cubin("attention_bwd.cu", "sm_90", defines)
 
 
+def test_the_lean_attention_compiles_for_sm_90a_in_the_fp16_modes_build_only():
+    # attn_bwd_lean (ATTN_QDO_HALF) in place of attn_bwd_resident: wgmma, fp16 K0|V0 and O.
+    lean = {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_WGMMA": 1, "ATTN_QDO_HALF": 1}
+    cubin = kernels.compile_cubin("attention_bwd.cu", "sm_90a", lean)
+    assert b"attn_bwd_lean" in cubin and b"attn_bwd_resident" not in cubin
+    for missing in ("ATTN_KV_HALF", "ATTN_O_HALF", "ATTN_WGMMA"):
+        with pytest.raises(kernels.CompileError, match="attn_bwd_lean"):
+            kernels.compile_cubin("attention_bwd.cu", "sm_90a", dict(lean, **{missing: 0}))
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_transpose_of_floats_compiles(arch):  # TR_VEC = 1: shapes whose rows are not float4s
     cubin = kernels.compile_cubin("transpose.cu", arch, {"TR_VEC": 1})
@@ -338,28 +348,35 @@ def test_every_kernel_waits_for_its_inputs_first():
     assert {name: statement for name, statement in first.items() if statement != "wait_for_inputs()"} == {}
 
 
-# Builds that together hold every kernel: the streamed attention (fp32 operands; fp16 with an fp16 O,
-# and with an fp16 K0|V0), the resident one (the same two), the forward, the conversions, the transposes.
+# Builds that together hold every kernel but sm_90a's: the streamed attention (fp32 operands; fp16 with
+# an fp16 O, and with an fp16 K0|V0), the resident one (the same two), the forward, the conversions, the
+# transposes.
 _PTX_BUILDS = [("attention_bwd.cu", {}), ("attention_bwd.cu", {"ATTN_HALF": 1, "ATTN_O_HALF": 1}),
                ("attention_bwd.cu", {"ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1}),
                ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1}),
                ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1}),
                ("attention_fwd.cu", {}), ("half_scaling.cu", {}), ("transpose.cu", {})]
+# ... and the wgmma builds, sm_90a's only: the resident attention's, the lean one's.
+_SM90A_BUILDS = [("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_WGMMA": 1}),
+                 ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1,
+                                       "ATTN_WGMMA": 1, "ATTN_QDO_HALF": 1})]
+_SM90A_KERNELS = {"attn_bwd_lean"}
 _GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)(?!\.param|\.shared|\.local|\.const)\S*",
                             re.MULTILINE)
 
 
-@pytest.mark.parametrize("arch, waits", [("sm_90", True), ("sm_80", False)])
+@pytest.mark.parametrize("arch, waits", [("sm_90", True), ("sm_90a", True), ("sm_80", False)])
 def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access(arch, waits):
     """What the compiler made of wait_for_inputs(): on sm_90 a griddepcontrol.wait before any load
     or store other than of the kernel's parameters, in every entry point (graphs.py makes the edges
     into them programmatic); below sm_90 none (graphs.py leaves those kernels' edges alone)."""
     seen = {}
-    for filename, defines in _PTX_BUILDS:
+    for filename, defines in _PTX_BUILDS + (_SM90A_BUILDS if arch == "sm_90a" else []):
         ptx = kernels.compile_ptx(filename, arch, defines).decode()
         for entry in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
             body = ptx[entry.end():ptx.index("\n}", entry.end())]
             wait, access = body.find("griddepcontrol.wait"), _GLOBAL_ACCESS.search(body)
             ok = (0 <= wait < access.start()) if waits else wait == -1
             seen[entry.group(1)] = seen.get(entry.group(1), True) and ok  # in every build
-    assert set(seen) == kernels.kernel_names() and all(seen.values()), seen
+    expected = kernels.kernel_names() - (set() if arch == "sm_90a" else _SM90A_KERNELS)
+    assert set(seen) == expected and all(seen.values()), seen

@@ -990,14 +990,17 @@ def test_tf32_rows_of_the_sm_tables_set_only_the_targets_its_schedule_reads():
 def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monkeypatch, precision, shape, hidden,
                                                                        half_in_fp16):
     # There: [K0 | V0]'s GEMM writes fp16 at the constant alpha kv_half_alpha(D) (every sum of D
-    # products of copies under 2^15 lands under 2^14), and the attention is built to read it.
+    # products of copies under 2^15 lands under 2^14), and the attention is built to read it; and
+    # wherever the lean kernel runs (the fake GPU is an H200: every resident fp16 layout on wgmma).
     from cupy_xattn import attention_bwd, backward
     from cupy_xattn.checks import Problem
     from cupy_xattn.gemm import R_16F, R_32F
     calls = _recording_cublas(monkeypatch)
     program = backward.Backward(Problem(*shape, hidden, hidden // 64, 64, 0.125), precision, gpu.null, 132)
     program.run()
-    half = precision == "fp16" and half_in_fp16
+    lean = program._attention.qdo_half
+    assert lean == (precision == "fp16" and program._attention.wgmma)
+    half = precision == "fp16" and (half_in_fp16 or lean)
     assert program._kv0.dtype == (numpy.float16 if half else numpy.float32)
     assert program._kv0.shape == (shape[0] * shape[2], 2 * hidden)
     kv0 = [args for args in calls if _table_entries(program, args[13], 1)[0] == program._kv0.data.ptr]
@@ -1006,6 +1009,11 @@ def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monk
     assert _table_entries(program, kv0[0][13], 2)[1] == program._kv0.data.ptr + program._kv0.itemsize * hidden  # V0
     constant = program._constants.data.ptr + 8
     assert all((args[5] == constant) == half for args in kv0)
+    for buffer in (program._q0, program._dout):  # the lean kernel's fp16 Q0 and dO, at the same alpha
+        writes = [args for args in calls if _table_entries(program, args[13], 1)[0] == buffer.data.ptr]
+        assert buffer.dtype == (numpy.float16 if lean else numpy.float32) and writes
+        assert {args[14] for args in writes} == {R_16F if lean else R_32F}
+        assert all((args[5] == constant) == lean for args in writes)
     # tf32: the streamed kernel reads an fp16 copy that a conversion makes of the fp32 [K0 | V0]
     converted = precision == "tf32" and shape[2] > 80
     assert (program._kv0_half is not None) == converted
@@ -1078,9 +1086,11 @@ def test_the_fp16_k0_v0_alpha_keeps_every_sum_of_copies_under_2_to_the_14(hidden
 
 @pytest.mark.parametrize("shape, precision, o_half", [((2, 70, 80), "tf32", False), ((2, 70, 81), "fp32", True),
                                                       ((2, 70, 81), "fp16", False), ((2, 4096, 77), "fp16", True)])
-def test_an_fp16_k0_v0_is_only_where_half_kv_says(shape, precision, o_half):
+def test_an_fp16_k0_v0_is_only_where_half_kv_says(gpu, monkeypatch, shape, precision, o_half):
     from cupy_xattn.attention_bwd import AttentionBackward
     from cupy_xattn.checks import Problem
+    # An sm_80 GPU: no lean kernel (half_qdo), whose fp16 mode takes an fp16 [K0 | V0] everywhere.
+    monkeypatch.setattr(sys.modules["cupy"].cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="80"))
     with pytest.raises(ValueError, match="fp16 \\[K0"):
         AttentionBackward(Problem(*shape, 1024, 16, 64, 0.125), precision, 132, o_half=o_half, kv_half=True)
 
