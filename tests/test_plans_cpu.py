@@ -1009,7 +1009,8 @@ def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monk
     assert _table_entries(program, kv0[0][13], 2)[1] == program._kv0.data.ptr + program._kv0.itemsize * hidden  # V0
     constant = program._constants.data.ptr + 8
     assert all((args[5] == constant) == half for args in kv0)
-    for buffer in (program._q0, program._dout):  # the lean kernel's fp16 Q0 and dO, at the same alpha
+    for buffer in (program._q0, program._dout) if precision != "tf32" else ():  # (tf32: one batched GEMM)
+        # the lean kernel's fp16 Q0 and dO, at the same alpha
         writes = [args for args in calls if _table_entries(program, args[13], 1)[0] == buffer.data.ptr]
         assert buffer.dtype == (numpy.float16 if lean else numpy.float32) and writes
         assert {args[14] for args in writes} == {R_16F if lean else R_32F}
