@@ -8,10 +8,14 @@ nothing between the products but the softmax:
   O = P V and dQ = dS K (wgmma with A from registers), and go to shared memory once, for
   dV^T += dO^T P and dK^T += Q^T dS; the four chains in flight together, one wait, one barrier.
 
-Plain fp16 operands (casts of random fp32 data, no scales), no biases, every key attended to, O
-row-major: only to time the structure against the library's kernel (AttentionBackward, tf32:
-fp32 inputs converted in the kernel at per-tile scales) on the same inputs, both replayed from a
-CUDA graph. Checked against a float32 CuPy reference of the same math (split_attention_probe's).
+Three input forms: fp16 Q, dO, K|V (casts of random fp32 data, no scales); fp32, copied into the
+fp16 operands in the kernel at per-tile power-of-two scales (K, V per block), as the library's
+kernel does; and Q, dO through a separate per-tile fp16 conversion pass (to_half_tiles, timed with
+it). No biases, every key attended to, O row-major: only to time the structure against the
+library's kernel (AttentionBackward, tf32: fp32 inputs converted in the kernel), both replayed
+from a CUDA graph. Checked against a float32 CuPy reference of the same math
+(split_attention_probe's). Measured on the H200 (perf-notes, Session 30): 64x128x77 66.9, 96.2 and
+110.7 µs against the library's 106-107; the fp16 form became the fp16 mode's attn_bwd_lean (v63).
 
 Usage: PYTHONPATH=. python3 scripts/lean_attention_probe.py [--reps 50] 64x128x77 8x512x77 2x4096x77
 """
