@@ -25,6 +25,11 @@ import os
 
 import numpy
 
+_spec = importlib.util.spec_from_file_location("split_attention_probe",
+                                               os.path.join(os.path.dirname(__file__), "split_attention_probe.py"))
+_split = importlib.util.module_from_spec(_spec)  # its reference and quad reductions
+_spec.loader.exec_module(_split)
+
 
 def _regs(first, count):
     return ", ".join(f"%{first + i}" for i in range(count))
@@ -109,14 +114,7 @@ template <int N> __device__ __forceinline__ void pin(float (&c)[N][4]) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(c[n][i])::"memory");
 }
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
+QUAD_REDUCTIONS
 WGMMA_SOURCE
 
 // Rows [row0, row0 + BQ) of a head's Q and dO (row stride `hidden`) into tiles, rows past n as zeros:
@@ -224,15 +222,17 @@ lean_attn(const in_t* __restrict__ q, const kv_in_t* __restrict__ kv, const in_t
         for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
     for (int tile = first; tile < last; ++tile) {
         const int row0 = tile * BQ;
-#if INPUTS == 2
+#if !INPUT_F32  // fp16 tiles, copied as they are: the next tile's while this one is used
         const int buf = (tile - first) & 1;
         half_t* qt = q_s + buf * BQ * HD;
         half_t* dot = do_s + buf * BQ * HD;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         fence_async();
-        __syncthreads();  // this tile's Q and dO are in; the last tile's chains are done
+        __syncthreads();  // this tile's Q and dO are in (and K, V); the last tile's chains are done
         if (tile + 1 < last)
             copy_tiles(q_s + (buf ^ 1) * BQ * HD, do_s + (buf ^ 1) * BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
+#endif
+#if INPUTS == 2
         const float s_q = tile_scales[(b * gridDim.y + blockIdx.y) * n_tiles + tile];
         const float s_do = tile_scales[((gridDim.z + b) * gridDim.y + blockIdx.y) * n_tiles + tile];
 #endif
@@ -266,16 +266,6 @@ lean_attn(const in_t* __restrict__ q, const kv_in_t* __restrict__ kv, const in_t
         fence_async();
         __syncthreads();  // the operand tiles are stored; the staging is read
         if (tile + 1 < last) copy_tiles(staging, staging + BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
-#endif
-#if INPUTS == 0
-        const int buf = (tile - first) & 1;
-        half_t* qt = q_s + buf * BQ * HD;
-        half_t* dot = do_s + buf * BQ * HD;
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        fence_async();
-        __syncthreads();  // this tile's Q and dO are in (and K, V); the last tile's chains are done
-        if (tile + 1 < last)
-            copy_tiles(q_s + (buf ^ 1) * BQ * HD, do_s + (buf ^ 1) * BQ * HD, qb, dob, row0 + BQ, n_video, hidden);
 #endif
         const float s_factor = sl2 / (s_q * s_k), dp_factor = scale / (s_do * s_v);
         float s[NK / 8][4], dp[NK / 8][4];
@@ -422,31 +412,10 @@ to_half_tiles(const float* __restrict__ q, const float* __restrict__ dout, half_
     }
     if (threadIdx.x == 0) scales[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = s;
 }
-""".replace("WGMMA_SOURCE", _wgmma_source())
+""".replace("WGMMA_SOURCE", _wgmma_source()).replace("QUAD_REDUCTIONS", _split.QUAD_REDUCTIONS)
 # K, V, P, dS (fp16); Q and dO, two tiles of each (fp16 inputs) or one and an fp32 staging of each
 SMEM = {0: 2 * (2 * 80 * 64 + 4 * 64 * 64 + 2 * 64 * 80), 1: 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80) + 4 * 2 * 64 * 64}
 SMEM[2] = SMEM[0]
-
-
-def _graph_time(run, reps):
-    """µs a replay of a CUDA graph of ``run``: the median of ``reps`` rounds of ten replays."""
-    import cupy
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        run()
-        stream.begin_capture()
-        run()
-        graph = stream.end_capture()
-    times = []
-    for _ in range(reps):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(10):
-            graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
-    return float(numpy.median(times))
 
 
 def main():
@@ -455,10 +424,6 @@ def main():
     from cupy_xattn.attention_bwd import AttentionBackward, launch_layout
     from cupy_xattn.checks import Problem
 
-    spec = importlib.util.spec_from_file_location("split", os.path.join(os.path.dirname(__file__),
-                                                                       "split_attention_probe.py"))
-    split = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(split)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+")
     parser.add_argument("--reps", type=int, default=50)
@@ -489,7 +454,7 @@ def main():
         tile_scales = cupy.empty((2, b, heads, n_tiles), numpy.float32)
         for form, inputs in ((0, halves), (1, (q, kv, dout)), (2, (q_h, kv, do_h))):
             kernel = lean_kernels[form]
-            want = split.reference(*(x.astype(numpy.float32) for x in (halves if form == 0 else (q, kv, dout))),
+            want = _split.reference(*(x.astype(numpy.float32) for x in (halves if form == 0 else (q, kv, dout))),
                                    b, nv, nt, heads, scale)
 
             def lean():
@@ -503,7 +468,8 @@ def main():
             lean()
             got = (o, dq, parts.sum(0))
             errors = [float(cupy.abs(x - y).max() / cupy.abs(y).max()) for x, y in zip(got, want)]
-            cells.append(f"lean, {('fp16', 'fp32', 'fp32 through a per-tile fp16 conversion')[form]} inputs {_graph_time(lean, args.reps):.1f} us "
+            inputs_name = ("fp16", "fp32", "fp32 through a per-tile fp16 conversion")[form]
+            cells.append(f"lean, {inputs_name} inputs {_split.graph_time(lean, args.reps):.1f} us "
                          f"({kernel.num_regs} registers; max rel. errors O, dQ, dK|dV "
                          + ", ".join(f"{e:.1e}" for e in errors) + ")")
         library = AttentionBackward(problem, "tf32", sms)
@@ -511,7 +477,7 @@ def main():
         biases = cupy.array([zeros.data.ptr] * 3, numpy.uint64)
         o2, dq2 = cupy.empty_like(o), cupy.empty_like(dq)
         dkv2 = cupy.empty((b * nt, 2 * d), numpy.float32)
-        t_library = _graph_time(lambda: library(q, kv, biases.data.ptr, dout, o2, dq2, dkv2), args.reps)
+        t_library = _split.graph_time(lambda: library(q, kv, biases.data.ptr, dout, o2, dq2, dkv2), args.reps)
         print(f"{shape} ({chunks} chunks of {tiles} tiles): " + " | ".join(cells)
               + f" | library tf32 {layout.name} {t_library:.1f} us (with its partials' sum) | graph replays, warm L2, "
               f"medians of {args.reps}", flush=True)

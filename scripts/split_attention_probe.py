@@ -24,6 +24,18 @@ import argparse
 
 import numpy
 
+# The max and sum over a quad's four lanes (the lanes of one accumulator row); lean_attention_probe's too.
+QUAD_REDUCTIONS = r"""
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+"""
+
 SOURCE = r"""
 #define HD 64          // head_dim
 #define TILE 64        // query rows or keys per tile
@@ -121,14 +133,7 @@ __device__ __forceinline__ void product_from_registers(float acc[8][4], const fl
         }
     }
 }
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
+QUAD_REDUCTIONS
 
 // Grid (query tiles, H, B). q, dout, o: [B·Nv][D]; kv: [B·Nt][2D]; lse (log2 domain), drow: [B][H][Nv].
 extern "C" __global__ void __launch_bounds__(THREADS) split_fwd(
@@ -319,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) split_bwd(
             }
     }
 }
-"""
+""".replace("QUAD_REDUCTIONS", QUAD_REDUCTIONS)
 
 
 def reference(q, kv, dout, b, nv, nt, heads, scale):
@@ -338,6 +343,28 @@ def reference(q, kv, dout, b, nv, nt, heads, scale):
     merge = lambda x, n: x.transpose(0, 2, 1, 3).reshape(b * n, d)  # noqa: E731
     dkv = cupy.concatenate([merge(scale * dS.transpose(0, 1, 3, 2) @ Q, nt), merge(P.transpose(0, 1, 3, 2) @ dO, nt)], 1)
     return merge(O, nv), merge(scale * dS @ K, nv), dkv
+
+
+def graph_time(run, reps):
+    """µs a replay of a CUDA graph of ``run`` (no host time in it): the median of ``reps`` rounds of
+    ten replays; lean_attention_probe's too."""
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run()
+        stream.begin_capture()
+        run()
+        graph = stream.end_capture()
+    times = []
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(10):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
+    return float(numpy.median(times))
 
 
 def main():
@@ -384,22 +411,8 @@ def main():
             run()
             outputs = (o, dq, dkv) if bwd else (o,)
             errors = [float(cupy.abs(got - ref).max() / cupy.abs(ref).max()) for got, ref in zip(outputs, want)]
-            stream = cupy.cuda.Stream(non_blocking=True)
-            with stream:  # one CUDA graph of the launches, replayed ten at a time: no host time in it
-                stream.begin_capture()
-                run()
-                graph = stream.end_capture()
-            times = []
-            for _ in range(args.reps):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(stream)
-                for _ in range(10):
-                    graph.launch(stream)
-                end.record(stream)
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / 10)
             regs = f"{fwd.num_regs}" + (f" + {bwd.num_regs}" if bwd else "")
-            row.append(f"{label} {numpy.median(times):.1f} us (max rel. errors "
+            row.append(f"{label} {graph_time(run, args.reps):.1f} us (max rel. errors "
                        + ", ".join(f"{e:.1e}" for e in errors) + f"; {regs} registers)")
         print(" | ".join(row) + f" | graph replays, warm L2, medians of {args.reps}")
 
