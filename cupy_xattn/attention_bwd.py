@@ -5,6 +5,7 @@ workspace (the per-chunk dK/dV partials, the per-key-part dQ partials).
 """
 
 import collections
+import os
 
 import numpy
 
@@ -81,7 +82,8 @@ def operand_bytes(precision):
     return 4 if precision == "fp32" else 2
 
 
-def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False, kv_half=False, qdo_half=False):
+def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=False, kv_half=False, qdo_half=False,
+                  lean=False):
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT, and whether it
     runs on wgmma: its tiles are then unpadded core matrices; and whether the kernel reads an fp16
@@ -99,12 +101,15 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
     p_ds_tiles = 2 if operand_bytes(precision) == 2 else 1  # P and dS, or dS over P
     if num_text_tokens <= RESIDENT_MAX_KEYS and head_dim == 64:
         keys, rows = _padded(num_text_tokens, 16 * key_split), RESIDENT_BLOCK_Q
-        if wgmma:  # fp16, unpadded: K, V, Q, dO, P, dS (qdo_half, attn_bwd_lean: Q and dO twice)
+        if wgmma:  # fp16, unpadded: K, V, Q, dO, P, dS (attn_bwd_lean: with qdo_half Q and dO twice, else
+            # also the next Q and dO as fp32)
             smem = 2 * (2 * keys * head_dim + 2 * (1 + qdo_half) * rows * head_dim + 2 * rows * keys)
+            smem += 4 * 2 * rows * head_dim if lean and not qdo_half else 0
         else:
             p_ds = rows * (_padded(keys, 32) + 8) * p_ds_tiles
             smem = operand_bytes(precision) * (2 * keys * row + 2 * rows * row + p_ds)
-        return ("attn_bwd_lean" if qdo_half else "attn_bwd_resident"), keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
+        name = "attn_bwd_lean" if lean or qdo_half else "attn_bwd_resident"
+        return name, keys, rows, smem, 2 if rows == 64 and key_split == 1 else 1
     kv = streamed_block_kv(num_text_tokens, precision, head_dim)
     p_ds = BLOCK_Q * (kv + 8) * p_ds_tiles
     smem = operand_bytes(precision) * (2 * BLOCK_Q * row + 2 * kv * row * (1 + kv_half) + p_ds)
@@ -294,9 +299,12 @@ class AttentionBackward:
                              f"key parts (here {self.kv_parts})")
         self.dq_transposed = dq_transposed
         self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
+        # attn_bwd_lean in place of the resident kernel's wgmma build: the fp16 mode's (qdo_half); in the
+        # tf32 mode behind XA_LEAN_TF32=1 until measured (perf-notes, Session 30's Next)
+        self.lean = qdo_half or (self.wgmma and precision == "tf32" and os.environ.get("XA_LEAN_TF32") == "1")
         if self.wgmma or kv_half:
             name, _, _, self._smem_bytes, _ = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split,
-                                                            self.wgmma, kv_half, qdo_half)
+                                                            self.wgmma, kv_half, qdo_half, self.lean)
         arch = "sm_90a" if self.wgmma else None
         self._threads = rows // 16 * 32 * split
         self._ld_o = o_t_stride(problem.batch_size * problem.num_video_tokens) if o_transposed else problem.hidden_size
@@ -307,7 +315,7 @@ class AttentionBackward:
                    "ATTN_RESIDENT_MIN_BLOCKS": blocks_per_sm, "ATTN_O_TRANSPOSED": int(o_transposed),
                    "ATTN_O_HALF": int(o_half), "ATTN_WGMMA": int(self.wgmma), "ATTN_KV_HALF": int(kv_half),
                    "ATTN_KV_PARTS": self.kv_parts, "ATTN_DQ_TRANSPOSED": int(dq_transposed),
-                   "ATTN_QDO_HALF": int(qdo_half)}
+                   "ATTN_LEAN": int(self.lean), "ATTN_QDO_HALF": int(qdo_half)}
         self._main = kernels.get_kernel(SOURCE, name, defines, arch)
         if self._main.max_dynamic_shared_size_bytes < self._smem_bytes:
             self._main.max_dynamic_shared_size_bytes = self._smem_bytes
@@ -412,7 +420,7 @@ class AttentionBackward:
             + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES)))
             + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0), numpy.uint64(dq_t or 0),
                numpy.uint64(dq_sums or 0))
-            + tuple(numpy.uint64(a) for a in (qdo_scales or ())),
+            + tuple(numpy.uint64(a) for a in (qdo_scales or ((0, 0, 0) if self.lean else ()))),
             shared_mem=self._smem_bytes)
         if self._reduce is not None:
             for parts, total, n4, grid in zip((self._dkv_part, self._dq_part), (dkv, dq), self._n4, self._reduce_grids):

@@ -725,45 +725,57 @@ __device__ __forceinline__ void store_transposed_dk_dv(float* dk, float* dv, lon
 }
 #endif
 
-#ifndef ATTN_QDO_HALF
-#define ATTN_QDO_HALF 0  // 1: attn_bwd_lean instead of attn_bwd_resident (the fp16 mode's fp16 Q0 and dO)
+#ifndef ATTN_LEAN
+#define ATTN_LEAN 0  // 1: attn_bwd_lean in place of attn_bwd_resident (its wgmma build's)
 #endif
-static_assert(!ATTN_QDO_HALF || (ATTN_WGMMA && ATTN_KV_HALF && ATTN_O_HALF && !ATTN_SPLIT3 && ATTN_KEY_SPLIT == 1 &&
-                                 ATTN_BLOCK_Q == 64 && !ATTN_DQ_TRANSPOSED && ATTN_KV_PARTS == 1),
-              "attn_bwd_lean: the fp16 mode's wgmma build, 64 query rows, fp16 K0|V0 and O");
-
+#ifndef ATTN_QDO_HALF
+#define ATTN_QDO_HALF 0  // attn_bwd_lean: Q0 and dO in fp16 (the fp16 mode's)
+#endif
+static_assert(!ATTN_LEAN || (ATTN_WGMMA && !ATTN_SPLIT3 && ATTN_KEY_SPLIT == 1 && ATTN_BLOCK_Q == 64 &&
+                             ATTN_KV_PARTS == 1), "attn_bwd_lean: a wgmma build of 64 query rows");
+static_assert(!ATTN_QDO_HALF || (ATTN_LEAN && ATTN_KV_HALF && ATTN_O_HALF && !ATTN_DQ_TRANSPOSED),
+              "attn_bwd_lean's fp16 Q0 and dO: the fp16 mode's build, fp16 K0|V0 and O");
 #if ATTN_QDO_HALF
-// attn_bwd_resident's math with a shorter chain a tile (perf-notes, Session 30), for the fp16 mode
-// on sm_90a, where Q0 = X Wq^T and dO = dY Wo arrive as fp16 (their GEMMs' alpha as [K0 | V0]'s:
-// product_half_scale) and are copied into the operand tiles as they are, the next tile's while
-// this one is used. Every product is a wgmma: S = Q K^T and dP = dO V^T together; then P and dS
-// stay in registers as the A operands of O = P V and dQ = dS K, and go to shared memory once for
-// dV^T += dO^T P and dK^T += Q^T dS, the four chains in flight together. bq goes into the Q tile
-// after its copy (each thread adds it to the pieces it copied); dS's scale comes from the block's
-// largest |dP| (ds_observed_scale, as the streamed kernel's), as dO's scale, from a bound on its
-// GEMM, is too loose for ds_bound_scale. Same arguments as attn_bwd_resident, with Q0 and dO as
-// fp16 bits and 1 / s_X, 1 / s_Wq and 1 / s_Wo after them (the copies' inverse scales).
+typedef unsigned short qdo_t;  // fp16 bits
+#else
+typedef float qdo_t;
+#endif
+
+#if ATTN_LEAN
+// attn_bwd_resident's math with a shorter chain a tile (perf-notes, Session 30) on sm_90a. Every
+// product is a wgmma: S = Q K^T and dP = dO V^T together; then P and dS stay in registers as the A
+// operands of O = P V and dQ = dS K, and go to shared memory once for dV^T += dO^T P and
+// dK^T += Q^T dS, the four chains in flight together. The next query tile's Q and dO are copied
+// by cp.async while this one is used: with ATTN_QDO_HALF (the fp16 mode), as fp16 from their
+// GEMMs (whose alpha is [K0 | V0]'s: product_half_scale) straight into the operand tiles, bq then
+// added by each thread to the pieces it copied; otherwise as fp32 into a staging, from which
+// load_tiles stores them at per-tile scales (with bq), as attn_bwd_resident does from global
+// memory. dS's scale comes from the block's largest |dP| (ds_observed_scale, as the streamed
+// kernel's). Same arguments as attn_bwd_resident, and 1 / s_X, 1 / s_Wq and 1 / s_Wo after them
+// (the copies' inverse scales; ATTN_QDO_HALF only, else null).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
-attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv0,
-              const float* const* __restrict__ biases, const unsigned short* __restrict__ dout, o_t* __restrict__ o,
-              float* __restrict__ dq, float* __restrict__ dkv_part, const int* __restrict__ text_lengths,
-              int n_video, int n_text, int hidden, int ld_o, int tiles_per_chunk, float scale,
-              const float* __restrict__ inv_t, const float* __restrict__ inv_w, const float* __restrict__ inv_bv,
-              const float* __restrict__ inv_dy, float* __restrict__ inv_o, float* __restrict__ alpha_o,
-              long long o_lo_offset, const float* __restrict__ inv_kv, float* __restrict__ dq_t,
-              float* __restrict__ dq_sums, const float* __restrict__ inv_x, const float* __restrict__ inv_wq,
-              const float* __restrict__ inv_wo) {
+attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const float* const* __restrict__ biases,
+              const qdo_t* __restrict__ dout, o_t* __restrict__ o, float* __restrict__ dq,
+              float* __restrict__ dkv_part, const int* __restrict__ text_lengths, int n_video, int n_text, int hidden,
+              int ld_o, int tiles_per_chunk, float scale, const float* __restrict__ inv_t,
+              const float* __restrict__ inv_w, const float* __restrict__ inv_bv, const float* __restrict__ inv_dy,
+              float* __restrict__ inv_o, float* __restrict__ alpha_o, long long o_lo_offset,
+              const float* __restrict__ inv_kv, float* __restrict__ dq_t, float* __restrict__ dq_sums,
+              const float* __restrict__ inv_x, const float* __restrict__ inv_wq, const float* __restrict__ inv_wo) {
     wait_for_inputs();
     constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8, TILE = ATTN_BLOCK_Q * LD_HD;
+    constexpr int Q_BUFFERS = 1 + ATTN_QDO_HALF;  // fp16 inputs: this tile's and the next
     extern __shared__ __align__(128) float4 smem4[];  // 128-byte core matrices
     operand_t* k_s = reinterpret_cast<operand_t*>(smem4);  // [NK][LD_HD]
     operand_t* v_s = k_s + NK * LD_HD;                      // [NK][LD_HD]
-    operand_t* q_tiles = v_s + NK * LD_HD;                  // [2][ATTN_BLOCK_Q][LD_HD]: this tile's, the next
-    operand_t* do_tiles = q_tiles + 2 * TILE;               // [2][ATTN_BLOCK_Q][LD_HD]
-    operand_t* p_s = do_tiles + 2 * TILE;                   // [ATTN_BLOCK_Q][LD_P]: P
+    operand_t* q_tiles = v_s + NK * LD_HD;                  // [Q_BUFFERS][ATTN_BLOCK_Q][LD_HD]
+    operand_t* do_tiles = q_tiles + Q_BUFFERS * TILE;       // [Q_BUFFERS][ATTN_BLOCK_Q][LD_HD]
+    operand_t* p_s = do_tiles + Q_BUFFERS * TILE;           // [ATTN_BLOCK_Q][LD_P]: P
     operand_t* ds_s = p_s + ATTN_BLOCK_Q * LD_P;            // [ATTN_BLOCK_Q][LD_P]: dS
-    __shared__ float red[ATTN_THREADS / 32];                // the tile's largest |dP|
-    __shared__ __align__(8) float bv_s[ATTN_HEAD_DIM];      // bv (stage_value_bias)
+    // fp32 inputs: the next Q and dO tiles as they are, [2][ATTN_BLOCK_Q][ATTN_HEAD_DIM]
+    float* staging = reinterpret_cast<float*>(ds_s + ATTN_BLOCK_Q * LD_P);
+    __shared__ float red[5][ATTN_THREADS / 32];  // block maxima: |dP| of the tile, Q, dO, K, V
+    __shared__ __align__(8) float bv_s[ATTN_HEAD_DIM];  // bv (stage_value_bias)
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const auto hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
@@ -772,29 +784,45 @@ attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     const long long ld_kv = 2LL * hidden;
+    const float scale_log2 = scale * 1.4426950408889634f;
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
     const int first = blockIdx.x * tiles_per_chunk, last = min(first + tiles_per_chunk, n_q_tiles);
-    copy_half_tile<NK>(k_s, hs.k, ld_kv, 0, n_keys);
-    copy_half_tile<NK>(v_s, hs.v, ld_kv, 0, n_keys);
+#if ATTN_QDO_HALF
     copy_half_tile<ATTN_BLOCK_Q>(q_tiles, hs.q, hidden, first * ATTN_BLOCK_Q, n_video);
     copy_half_tile<ATTN_BLOCK_Q>(do_tiles, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
-    cp_async_commit();
-    const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
     const float s_q = product_half_scale(hidden, inv_x, inv_wq), s_do = product_half_scale(hidden, inv_dy, inv_wo);
-    const float s_o = o_half_scale(hidden, inv_t, inv_w, inv_bv);
-    const float factor = score_factor(scale * 1.4426950408889634f, s_q, s_k);
     // bq · s_q at the 8 columns of every piece this thread copies (for_each_half_piece: one column a thread)
     static_assert(ATTN_THREADS % (ATTN_HEAD_DIM / 8) == 0, "a thread's pieces share their columns");
     float bq_s[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) bq_s[j] = biases[0][col + threadIdx.x % (ATTN_HEAD_DIM / 8) * 8 + j] * s_q;
+#else
+    float* q_stage = staging;
+    float* do_stage = staging + ATTN_BLOCK_Q * ATTN_HEAD_DIM;
+    prefetch_tile<ATTN_BLOCK_Q>(q_stage, hs.q, hidden, first * ATTN_BLOCK_Q, n_video);
+    prefetch_tile<ATTN_BLOCK_Q>(do_stage, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
+    RunScale q_run, do_run;  // the tiles' scales (the runs dK^T and dV^T accumulate over)
+#endif
+#if ATTN_KV_HALF
+    copy_half_tile<NK>(k_s, hs.k, ld_kv, 0, n_keys);
+    copy_half_tile<NK>(v_s, hs.v, ld_kv, 0, n_keys);
+    const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
+#else
+    RunScale k_scale, v_scale;
+    load_tiles<NK>(k_s, hs.k, nullptr, red[3], k_scale, v_s, hs.v, red[4], v_scale, ld_kv, 0, n_keys);
+    const float s_k = k_scale.s, s_v = v_scale.s;
+#endif
+    cp_async_commit();
+    const float s_o = o_half_scale(hidden, inv_t, inv_w, inv_bv);
 
-    float dk_acc[NT_K][4], dv_acc[NT_K][4];  // dK^T at ds_run.s · s_q, dV^T at P_SCALE · s_do
+    float dk_acc[NT_K][4], dv_acc[NT_K][4];  // dK^T at ds_run.s · s_q, dV^T at P_SCALE · s_do (the latest tile's)
     zero<NT_K>(dk_acc);
     zero<NT_K>(dv_acc);
     RunScale ds_run;
     for (int qt = first; qt < last; ++qt) {
-        const int q_row0 = qt * ATTN_BLOCK_Q, buf = (qt - first) & 1;
+        const int q_row0 = qt * ATTN_BLOCK_Q;
+#if ATTN_QDO_HALF
+        const int buf = (qt - first) & 1;
         operand_t* q_s = q_tiles + buf * TILE;
         operand_t* do_s = do_tiles + buf * TILE;
         cp_async_wait_all();  // this thread's copies are in and visible to it: bq into its pieces of Q
@@ -809,6 +837,23 @@ attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv
             copy_half_tile<ATTN_BLOCK_Q>(do_tiles + (buf ^ 1) * TILE, hs.dout, hidden, q_row0 + ATTN_BLOCK_Q, n_video);
             cp_async_commit();
         }
+        const float q_ratio = 1.f;
+#else
+        operand_t* q_s = q_tiles;
+        operand_t* do_s = do_tiles;
+        cp_async_wait_all();
+        __syncthreads();  // this tile's staging is in; the last tile's products are done
+        load_tiles<ATTN_BLOCK_Q>(q_s, q_stage, biases[0] + col, red[1], q_run, do_s, do_stage, red[2], do_run,
+                                 ATTN_HEAD_DIM, 0, n_video - q_row0);
+        if (do_run.ratio != 1.f) scale_all<NT_K>(dv_acc, do_run.ratio);  // block-uniform
+        const float s_q = q_run.s, s_do = do_run.s, q_ratio = q_run.ratio;
+        fence_operands();
+        __syncthreads();  // the operand tiles are stored; the staging is read
+        if (qt + 1 < last) {
+            prefetch_tile<ATTN_BLOCK_Q>(q_stage, hs.q, hidden, q_row0 + ATTN_BLOCK_Q, n_video);
+            prefetch_tile<ATTN_BLOCK_Q>(do_stage, hs.dout, hidden, q_row0 + ATTN_BLOCK_Q, n_video);
+        }
+#endif
         float p[NT_K][4], dp[NT_K][4];
         wg_issue<NK, 0, 0>(p, q_s, ATTN_HEAD_DIM, k_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
         wg_issue<NK, 0, 0>(dp, do_s, ATTN_HEAD_DIM, v_s, ATTN_HEAD_DIM, ATTN_HEAD_DIM / 16, false);
@@ -821,8 +866,8 @@ attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv
         for (int n = 0; n < NT_K; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) dp_max = fmaxf(dp_max, finite_abs(dp[n][i]));
-        publish_max(red, dp_max);  // read after the barrier below
-        mask_scores<NT_K>(p, 0, n_keys, factor, t);
+        publish_max(red[0], dp_max);  // read after the barrier below
+        mask_scores<NT_K>(p, 0, n_keys, score_factor(scale_log2, s_q, s_k), t);
         float d_row[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -844,9 +889,10 @@ attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv
             d_row[h] = quad_sum(dot);
         }
         score_grads<NT_K>(dp, p, d_row, scale);  // dS, in the dp registers
-        __syncthreads();  // red: the tile's largest |dP|
-        ds_run.update(ds_observed_scale(red, scale));
-        if (ds_run.ratio != 1.f) scale_all<NT_K>(dk_acc, ds_run.ratio);  // block-uniform
+        __syncthreads();  // red[0]: the tile's largest |dP|
+        ds_run.update(ds_observed_scale(red[0], scale));
+        const float dk_ratio = ds_run.ratio * q_ratio;
+        if (dk_ratio != 1.f) scale_all<NT_K>(dk_acc, dk_ratio);  // block-uniform
         unsigned p_frag[NK / 16][4], ds_frag[NK / 16][4];
         store_fragments<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t, p_frag);
         store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_run.s, g, t, ds_frag);
@@ -866,10 +912,15 @@ attn_bwd_lean(const unsigned short* __restrict__ q0, const kv_t* __restrict__ kv
         add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv
         store_o<NT_HD>(hs.o, ld_o, q_row0 + r0, n_video, o_acc, g, t, s_o, o_lo_offset);
         unscale<NT_HD>(dq_acc, ds_run.s, s_k);
-        store_dq<NT_HD>(hs.dq, nullptr, nullptr, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);
+        store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);
     }
+#if ATTN_QDO_HALF
     unscale<NT_K>(dk_acc, ds_run.s, s_q);
     unscale<NT_K>(dv_acc, P_SCALE, s_do);
+#else
+    unscale<NT_K>(dk_acc, ds_run.s, q_run.s);
+    unscale<NT_K>(dv_acc, P_SCALE, do_run.s);
+#endif
     store_transposed_dk_dv<NT_K>(hs.dk, hs.dv, ld_kv, n_text, dk_acc, dv_acc, warp, g, t);
 }
 #else
@@ -1110,7 +1161,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     }
 #endif
 }
-#endif  // ATTN_QDO_HALF
+#endif  // ATTN_LEAN
 #endif
 
 // sum[i] = Σ_c parts[c][i], summed in part order (deterministic): the query chunks' dK/dV, the key
