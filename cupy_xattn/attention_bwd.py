@@ -87,7 +87,8 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
     """(kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per SM that fit)
     for this text length and head_dim (and the resident kernel's ATTN_KEY_SPLIT, and whether it
     runs on wgmma: its tiles are then unpadded core matrices; and whether the kernel reads an fp16
-    [K0 | V0], ATTN_KV_HALF: the resident kernel's shared memory is the same).
+    [K0 | V0], ATTN_KV_HALF: the resident kernel's shared memory is the same; and whether it is
+    attn_bwd_lean, which with qdo_half, fp16 Q0 and dO, keeps two tiles of each).
 
     Shared memory, rows padded by 8 operands: Q and dO tiles, K and V (one tile, or all keys), and
     the P and dS tiles (one tile with fp32 operands: dS overwrites P); with fp16 operands, the
@@ -146,7 +147,7 @@ def half_qdo(problem, precision, sm_count):
 def half_kv(problem, precision, sm_count):
     """Whether [K0 | V0] reaches the attention as fp16 (ATTN_KV_HALF), its tiles copied by cp.async as
     they are: in the fp16 mode, by the streamed kernel, and by the resident one where its blocks take
-    at most KV_HALF_RESIDENT_TILES query tiles. Measured on the H200 (perf-notes v47, v48): streamed
+    at most KV_HALF_RESIDENT_TILES query tiles (everywhere half_qdo holds). Measured on the H200 (perf-notes v47, v48): streamed
     8x256x373 −31 to −35 µs; resident, two tiles a block or fewer −0.5 to −4 µs a case, four or eight +1.5 to
     +2.4 (the kernel ~5 % slower there: a cost per tile, not found, against a saving per block).
     In the tf32 mode, by the streamed kernel, through a conversion of its fp32 [K0 | V0] (its TF32
@@ -264,6 +265,8 @@ class AttentionBackward:
     kv_half : ``kv0`` is float16, [K0 | V0] · s_KV (ATTN_KV_HALF; where half_kv says), with s_KV =
         s_T · s_W · kv_half_alpha(D), where 1 / s_T and 1 / s_W are ``o_scales``' inv_t and inv_w
         (fp16 mode), or 1 / ``kv_scale`` (tf32 mode: a power of two, from a conversion).
+    qdo_half : ``q0`` and ``dout`` are float16 at the scales ``qdo_scales`` give (where half_qdo
+        says: the fp16 mode's attn_bwd_lean, with kv_half and o_half).
     """
 
     @staticmethod
@@ -285,8 +288,8 @@ class AttentionBackward:
         if kv_half and not (half_kv(problem, precision, sm_count) and o_half == (precision == "fp16")):
             raise ValueError("an fp16 [K0 | V0] goes where half_kv says (fp16 mode with o_half, whose o_scales "
                              "give its scale; tf32 mode)")
-        if qdo_half and not (half_qdo(problem, precision, sm_count) and kv_half and o_half):
-            raise ValueError("an fp16 Q0 and dO go where half_qdo says, with an fp16 [K0 | V0] and O")
+        if qdo_half and not (half_qdo(problem, precision, sm_count) and kv_half and o_half and not dq_transposed):
+            raise ValueError("an fp16 Q0 and dO go where half_qdo says, with an fp16 [K0 | V0] and O (no dQ^T)")
         cupy = import_cupy()
         self.o_half, self.kv_half, self.qdo_half = o_half, kv_half, qdo_half
         self._o_lo = o_half and precision == "fp32"  # O's remainder too (3xFP16 dWo)
@@ -354,10 +357,10 @@ class AttentionBackward:
 
         Parameters
         ----------
-        q0 : (B·Nv, D) float32, X Wq^T without the bias.
+        q0 : (B·Nv, D) float32, X Wq^T without the bias (with qdo_half float16, see qdo_scales).
         kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases (with kv_half float16, times s_KV).
         bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
-        dout : (B·Nv, D) float32, dO = dY Wo.
+        dout : (B·Nv, D) float32, dO = dY Wo (with qdo_half float16).
         o, dq : (B·Nv, D) float32 outputs: the attention output O (with o_transposed O^T, a
             (D, o_t_stride(B·Nv)) array whose first B·Nv columns are written; with o_half, float16
             O · s_O) and dQ.

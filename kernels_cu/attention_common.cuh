@@ -543,7 +543,8 @@ __device__ __forceinline__ void for_each_half_piece(Each each) {
 // are, into the operand tile dst (operand_offset's layout, row stride LD_HD) with cp.async, 16 bytes
 // at a time, rows at or past n_valid as zeros; the caller commits the group. They are there after
 // cp_async_wait_all() and a barrier. For operands already scaled for fp16 in global memory
-// (ATTN_KV_HALF): no pass through registers, no conversion, half the bytes of fp32.
+// (ATTN_KV_HALF; attn_bwd_lean's Q0 and dO with ATTN_QDO_HALF): no pass through registers, no
+// conversion, half the bytes of fp32.
 template <int ROWS>
 __device__ __forceinline__ void copy_half_tile(operand_t* dst, const unsigned short* __restrict__ src, long long ld_src,
                                                int row0, int n_valid) {
@@ -737,15 +738,15 @@ __device__ __forceinline__ void store_fragments(operand_t* m, int ld, int r0, co
     }
 }
 
-// Eight fp16 values (a 16-byte piece) plus b[0..7], rounded to fp16 again.
-__device__ __forceinline__ uint4 add_to_halves(uint4 piece, const float (&b)[8]) {
+// Eight fp16 values (a 16-byte piece) plus b[0..7], times f, rounded to fp16 again.
+__device__ __forceinline__ uint4 add_to_halves(uint4 piece, const float (&b)[8], float f) {
     unsigned w[4] = {piece.x, piece.y, piece.z, piece.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         float lo, hi;
         asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
             : "=f"(lo), "=f"(hi) : "r"(w[i]));
-        w[i] = pack_half2(lo + b[2 * i], hi + b[2 * i + 1]);
+        w[i] = pack_half2((lo + b[2 * i]) * f, (hi + b[2 * i + 1]) * f);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }

@@ -168,6 +168,21 @@ def test_one_k0_v0_scale_keeps_a_sample_whose_text_is_far_below_the_others(preci
             assert numpy.abs(x - y).max() / numpy.abs(y).max() <= 5e-3, (name, b)
 
 
+def test_the_lean_kernels_q_tile_stays_finite_where_bq_dwarfs_x_wq():
+    # The fp16 mode's lean attention (attention_bwd.half_qdo) gets Q0 = X Wq^T as fp16 at a scale
+    # from a bound on X Wq^T alone and adds bq in the kernel: with X 2^-14 times the benchmark's,
+    # bq · s_Q would pass fp16's 65504 unless the tile is shifted down (attn_bwd_lean's q_shift).
+    case = cases.Case(2, 130, 77, atol=0.0)
+    inputs, _ = _case_data(case, 11)
+    inputs = {name: array.copy() for name, array in inputs.items()}
+    inputs["video_latents"] *= numpy.float32(2.0 ** -14)
+    ref = reference.backward(**inputs, num_heads=16)
+    got = cross_attention_backward(**_on_gpu(inputs), precision="fp16")
+    assert all(_cupy().isfinite(x).all() for x in got)
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) <= 5e-3, errors
+
+
 # dWo's bounds: measured (H200, 2026-11-30) fp16 3.1e-4; fp32 1.3e-6 at e = 12 (6.1e-5 before O's
 # remainder had a scale of its own), 8.7e-6 at e = 20 (1.4e-4 at e = 24).
 @pytest.mark.parametrize("precision, exponent, dwo_bound, n_text", [("fp16", 12, 1e-3, 77), ("fp32", 12, 5e-6, 77),
