@@ -138,10 +138,12 @@ def half_qdo(problem, precision, sm_count):
     [K0 | V0] is fp16 too (half_kv). Measured on the H200 (perf-notes v63): the fp16 suite mean
     −6.0 / −6.2 µs, 64x128x77 −20, 2x4096x77 −23, every resident case of 2048 video rows or more
     −8 to −12; the smaller ones within ±1."""
-    if precision != "fp16":
-        return False
-    return uses_wgmma(launch_layout(problem, precision, sm_count), precision,
-                      import_cupy().cuda.Device().compute_capability)
+    return precision == "fp16" and _wgmma_here(launch_layout(problem, precision, sm_count), precision)
+
+
+def _wgmma_here(layout, precision):
+    """uses_wgmma on the current GPU."""
+    return uses_wgmma(layout, precision, import_cupy().cuda.Device().compute_capability)
 
 
 def half_kv(problem, precision, sm_count):
@@ -156,7 +158,7 @@ def half_kv(problem, precision, sm_count):
         return False
     layout = launch_layout(problem, precision, sm_count)
     return layout.keys == 0 or (precision == "fp16" and (layout.tiles_per_chunk <= KV_HALF_RESIDENT_TILES
-                                                         or half_qdo(problem, precision, sm_count)))
+                                                         or _wgmma_here(layout, precision)))
 
 
 def o_t_stride(rows):
@@ -301,7 +303,7 @@ class AttentionBackward:
             raise ValueError(f"dQ^T is written beside O^T (o_transposed={o_transposed}) where dQ is not split over "
                              f"key parts (here {self.kv_parts})")
         self.dq_transposed = dq_transposed
-        self.wgmma = uses_wgmma(layout, precision, cupy.cuda.Device().compute_capability)
+        self.wgmma = _wgmma_here(layout, precision)
         # attn_bwd_lean in place of the resident kernel's wgmma build: the fp16 mode's (qdo_half); in the
         # tf32 mode behind XA_LEAN_TF32=1 until measured (perf-notes, Session 30's Next)
         self.lean = qdo_half or (self.wgmma and precision == "tf32" and os.environ.get("XA_LEAN_TF32") == "1")

@@ -393,17 +393,20 @@ class Backward:
         half = dict(data_type=_R_16F)
         sms = _sm_shares(self.precision, mv, mt, d, self._sm_count)
 
-        # fp16 outputs at alpha kv_half_alpha: every element under 2^14 (attention_bwd)
-        fp16_out = dict(alpha=addr(self._constants, 8), out_type=_R_16F)
+        def output(buffer, slot_a, slot_b):  # the attention's inputs: fp16 ones at alpha kv_half_alpha, every
+            # element under 2^14 (attention_bwd), fp32 ones at the alpha that undoes the copies' scales
+            if buffer.dtype == numpy.float16:
+                return dict(alpha=addr(self._constants, 8), out_type=_R_16F)
+            return dict(alpha=alpha(slot_a, slot_b))
+
         qdo_half = self._q0.dtype == numpy.float16
         self._fork()
         gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True, sm_target=sms["q0"],
-             **(fp16_out if qdo_half else dict(alpha=alpha(_X, _WQ))), **half)
-        kv_out = fp16_out if self._kv0.dtype == numpy.float16 else dict(alpha=alpha(_T, _WKV))
+             **output(self._q0, _X, _WQ), **half)
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, self._kv0.itemsize * d)], m=mt, n=d, k=d, lda=d,
-             ldb=d, ldc=2 * d, trans_b=True, lane=1, sm_target=sms["kv0"], **kv_out, **half)
+             ldb=d, ldc=2 * d, trans_b=True, lane=1, sm_target=sms["kv0"], **output(self._kv0, _T, _WKV), **half)
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, lane=2, sm_target=sms["dout"],
-             **(fp16_out if qdo_half else dict(alpha=alpha(_DY, _WO))), **half)
+             **output(self._dout, _DY, _WO), **half)
         self._join()
         # dWo's alpha, written by the attention (see below); fp32: and the alpha of the product of
         # O's remainder, which the attention writes at a scale of its own

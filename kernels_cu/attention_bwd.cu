@@ -578,12 +578,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
             score_tile<NT_KV>(s, q_s, k_s, r0, kv0, n_keys, score_factor(scale_log2, s_q, k_scale.s), g, t);
             rows_times_t<NT_KV>(dp, do_s, v_s, r0, g, t);  // dP = dO V^T
             unscale<NT_KV>(dp, s_do, v_run.s);
-            if (ATTN_KV_HALF) {
-#pragma unroll
-                for (int n = 0; n < NT_KV; ++n)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) dp_max = fmaxf(dp_max, finite_abs(dp[n][i]));
-            }
+            if (ATTN_KV_HALF) dp_max = max_finite_abs<NT_KV>(dp_max, dp);
             float corr[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -875,12 +870,7 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         pin_accumulators<NK>(p);
         pin_accumulators<NK>(dp);
         unscale<NT_K>(dp, s_do, s_v);
-        float dp_max = 0.f;
-#pragma unroll
-        for (int n = 0; n < NT_K; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) dp_max = fmaxf(dp_max, finite_abs(dp[n][i]));
-        publish_max(red[0], dp_max);  // read after the barrier below
+        publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below
         mask_scores<NT_K>(p, 0, n_keys, score_factor(scale_log2, s_q, s_k), t);
         float d_row[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll

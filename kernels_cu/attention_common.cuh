@@ -198,6 +198,16 @@ __device__ __forceinline__ float finite_abs(float x) {
     return a < __int_as_float(0x7f800000) ? a : 0.f;
 }
 
+// The larger of m and a warp's accumulator tile's largest finite |element|.
+template <int NT>
+__device__ __forceinline__ float max_finite_abs(float m, const float c[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) m = fmaxf(m, finite_abs(c[n][i]));
+    return m;
+}
+
 // The block's scale in two halves around a __syncthreads: each warp leaves the max of its
 // threads' m in red[warp]; after the barrier every thread reads the scale of the block's max.
 // A red slot is written again only after a later barrier that follows every read. In the fp32
@@ -744,8 +754,7 @@ __device__ __forceinline__ uint4 add_to_halves(uint4 piece, const float (&b)[8],
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         float lo, hi;
-        asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
-            : "=f"(lo), "=f"(hi) : "r"(w[i]));
+        unpack_half2(w[i], lo, hi);
         w[i] = pack_half2((lo + b[2 * i]) * f, (hi + b[2 * i + 1]) * f);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);

@@ -7,6 +7,12 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return r;
 }
 
+// pack_half2's inverse: the low half (first in memory) into lo, the high one into hi.
+__device__ __forceinline__ void unpack_half2(unsigned w, float& lo, float& hi) {
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
 // x rounded to fp16 and back.
 __device__ __forceinline__ float half_round(float x) {
     unsigned short h;
