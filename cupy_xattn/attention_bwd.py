@@ -5,7 +5,6 @@ workspace (the per-chunk dK/dV partials, the per-key-part dQ partials).
 """
 
 import collections
-import os
 
 import numpy
 
@@ -46,6 +45,8 @@ WGMMA = True
 _REDUCE_THREADS = 256
 #: the most query tiles a block of the resident kernel takes where it reads an fp16 [K0 | V0] (half_kv)
 KV_HALF_RESIDENT_TILES = 2
+#: the least query tiles a block of attn_bwd_lean takes in the tf32 mode on a grid of split chunks (lean_tf32)
+LEAN_TF32_TILES = 4
 
 
 def kv_half_alpha(hidden_size):
@@ -144,6 +145,18 @@ def half_qdo(problem, precision, sm_count):
 def _wgmma_here(layout, precision):
     """uses_wgmma on the current GPU."""
     return uses_wgmma(layout, precision, import_cupy().cuda.Device().compute_capability)
+
+
+def lean_tf32(problem, layout, sm_count):
+    """Whether the tf32 mode's wgmma build is attn_bwd_lean (its fp32 Q0 and dO tiles staged by cp.async,
+    ATTN_LEAN) rather than attn_bwd_resident's: where its blocks take LEAN_TF32_TILES query tiles or
+    more, or the (batch, head) pairs alone fill the slots (several waves: no chunks). Measured on the
+    H200 (perf-notes v64): the tf32 suite mean −1.6 to −1.7 µs (three A/B pairs); 2x4096x77 −10 to −12,
+    64x128x77 −7 to −9, the cases of four tiles a block −2 to −4. Everywhere (all lean): blocks of one or
+    two tiles of a split grid (2x512x77, 4x512x77, 2x691x77) +1 to +3, a cost per block (the staging's
+    round trip, dS's observed scale) against a saving per tile."""
+    pairs = problem.batch_size * problem.num_heads
+    return pairs >= layout.blocks_per_sm * sm_count or layout.tiles_per_chunk >= LEAN_TF32_TILES
 
 
 def half_kv(problem, precision, sm_count):
@@ -304,9 +317,9 @@ class AttentionBackward:
                              f"key parts (here {self.kv_parts})")
         self.dq_transposed = dq_transposed
         self.wgmma = _wgmma_here(layout, precision)
-        # attn_bwd_lean in place of the resident kernel's wgmma build: the fp16 mode's (qdo_half); in the
-        # tf32 mode behind XA_LEAN_TF32=1 until measured (perf-notes, Session 30's Next)
-        self.lean = qdo_half or (self.wgmma and precision == "tf32" and os.environ.get("XA_LEAN_TF32") == "1")
+        # attn_bwd_lean in place of the resident kernel's wgmma build: the fp16 mode's (qdo_half), and the
+        # tf32 mode's where lean_tf32 holds
+        self.lean = qdo_half or (self.wgmma and precision == "tf32" and lean_tf32(problem, layout, sm_count))
         if self.wgmma or kv_half:
             name, _, _, self._smem_bytes, _ = kernel_choice(problem.num_text_tokens, precision, problem.head_dim, split,
                                                             self.wgmma, kv_half, qdo_half, self.lean)

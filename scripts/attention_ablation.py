@@ -1,7 +1,7 @@
-"""Ablation trees of the resident attention kernel: how much of its time each part of a tile costs.
+"""Ablation trees of the resident attention kernels: how much of their time each part of a tile costs.
 
-Each tree is this checkout's commit with one part of attn_bwd_resident taken out (the results are
-wrong; only the kernel's time means anything):
+Each tree is this checkout's commit with one part of attn_bwd_resident, or (the lean_ trees) of
+attn_bwd_lean, taken out (the results are wrong; only the kernel's time means anything):
   loads   every tile load reads the head's first rows (hits in L2/L1): the global-load latency
   exp     the softmax without exp2f
   stores  the dQ and O stores behind a condition that never holds (their products stay)
@@ -19,6 +19,12 @@ wrong; only the kernel's time means anything):
           build: 253 registers; dkdv 186 at two blocks, 167 at three, no spills either way). Only
           grids of whole (batch, head) pairs isolate it (64x128x77): the blocks per SM also set
           the query chunks where the pairs fill less than a wave (8x512x77: 3 chunks of 3 tiles)
+  lean_bq     attn_bwd_lean's fp16 build without bq added into the Q tiles
+  lean_ds_max attn_bwd_lean's dS at a constant scale: no block maximum of |dP|, no barrier for it
+  lean_stores attn_bwd_lean's dQ and O stores behind a condition that never holds
+  lean_o      attn_bwd_lean's O stores and bv's add taken out
+The resident trees are timed on the tf32 cases that still run attn_bwd_resident (blocks of one or
+two query tiles: lean_tf32), the lean trees on the fp16 mode's and tf32 64x128x77.
 Where the tf32 schedule has the kernel write dQ^T and its column sums too (ATTN_DQ_TRANSPOSED), the
 dq-store trees take those with dQ, and stores_l2 redirects dQ^T as it does O^T (one helper).
 
@@ -50,10 +56,10 @@ ABLATIONS = {
                "src + (long long)row(j) * ld_src + col()")],
     "exp": [(BWD, "p[n][i] = exp2f(p[n][i] - base);", "p[n][i] = p[n][i] - base;")],
     "stores": [(BWD, "store_dq<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_dq<NT_HD>(hs.dq + col0,"),
-               (BWD, "store_dq<NT_HD>(hs.dq, hs.dq_t,", "if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,"),
+               (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t,", "            if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,"),
                (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],
     "dq": [(BWD, "store_dq<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_dq<NT_HD>(hs.dq + col0,"),
-           (BWD, "store_dq<NT_HD>(hs.dq, hs.dq_t,", "if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,")],
+           (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t,", "            if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,")],
     "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)",
                    "<float2*>(dst + (long long)(row & 15) * ld + col)"),
                   (BWD, "o_t* dst = o + (long long)row * ld + n * 8", "o_t* dst = o + (long long)(row & 15) * ld + n * 8"),
@@ -61,16 +67,30 @@ ABLATIONS = {
                   (COMMON, "dst[(long long)(col + 1) * ld + row] = x1;",
                    "dst[(long long)(col + 1) * ld + (row & 15)] = x1;")],
     "o_late": [(BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o"),
-               (BWD, "store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);",
-                "store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
+               (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);",
+                "            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
                 "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);")],
     "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
     "dkdv": DKDV,
     "dkdv3": DKDV + [(LAUNCHER, "smem, 2 if rows == 64 and key_split == 1 else 1",
                       "smem, 3 if rows == 64 and key_split == 1 else 1")],
+    "lean_bq": [(BWD, "            *piece = add_to_halves(*piece, bq_s, q_shift);\n", "")],
+    "lean_ds_max": [(BWD, "        publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below\n", ""),
+                    (BWD, "        __syncthreads();  // red[0]: the tile's largest |dP|\n", ""),
+                    (BWD, "ds_run.update(ds_observed_scale(red[0], scale));", "ds_run.update(1.f);")],
+    "lean_stores": [(BWD, "\n        store_o<NT_HD>(hs.o,", "\n        if (n_video < 0) store_o<NT_HD>(hs.o,"),
+                    (BWD, "\n        store_dq<NT_HD>(hs.dq,", "\n        if (n_video < 0) store_dq<NT_HD>(hs.dq,")],
+    "lean_o": [(BWD, "        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv\n", ""),
+               (BWD, "\n        store_o<NT_HD>(hs.o,", "\n        if (n_video < 0) store_o<NT_HD>(hs.o,")],
 }
-SHAPES = (("64x128x77", "fp16"), ("8x512x77", "fp16"), ("64x128x77", "tf32"))  # tf32: O^T in fp32
+SHAPES = {"resident": (("4x512x77", "tf32"), ("2x1024x77", "tf32")),  # O^T in fp32
+          "lean": (("64x128x77", "fp16"), ("2x4096x77", "fp16"), ("64x128x77", "tf32"))}
+
+
+def shapes(name):
+    """The (shape, precision) pairs tree ``name``'s kernel runs in."""
+    return SHAPES["lean" if name.startswith("lean_") else "resident"]
 
 
 def trees(names):
@@ -104,8 +124,12 @@ def make(folder, names):
 
 
 def run(folder, names):
-    for name in trees(names):
-        for shape, precision in SHAPES:
+    made = trees(names)
+    for name in made:
+        # base in the shapes of every tree named with it
+        pairs = dict.fromkeys(pair for tree in made[1:] or ABLATIONS for pair in shapes(tree)) if name == "base" \
+            else shapes(name)
+        for shape, precision in pairs:
             print(f"== {name} {shape} {precision}", flush=True)
             result = subprocess.run([sys.executable, "scripts/graph_kernels.py", shape, precision, "--trace",
                                      "--kernels", "--reps", "10"], cwd=folder / name,

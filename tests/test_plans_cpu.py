@@ -1333,6 +1333,20 @@ def test_the_resident_kernel_runs_on_wgmma_on_sm_90_with_fp16_operands(shape, pr
         assert smem == 2 * (2 * 80 * 64 + 2 * 64 * 64 + 2 * 64 * 80)
 
 
+@pytest.mark.parametrize("shape, lean", [
+    ((64, 128, 77), True), ((32, 128, 77), True),  # the pairs fill the slots: several waves of two-tile blocks
+    ((2, 4096, 77), True), ((8, 512, 77), True), ((4, 853, 77), True),  # blocks of eight, four tiles
+    ((2, 512, 77), False), ((4, 512, 77), False), ((2, 691, 77), False), ((2, 1024, 77), False)])  # one, two
+def test_the_tf32_modes_lean_kernel_is_where_blocks_are_long_or_the_grid_is_full(shape, lean):
+    # perf-notes v64: attn_bwd_lean lost 1–3 µs on one-wave grids of one- and two-tile blocks
+    from cupy_xattn import attention_bwd
+    from cupy_xattn.checks import Problem
+    problem = Problem(*shape, 1024, 16, 64, 0.125)
+    layout = attention_bwd.launch_layout(problem, "tf32", 132)
+    assert attention_bwd.uses_wgmma(layout, "tf32", "90")
+    assert attention_bwd.lean_tf32(problem, layout, 132) == lean
+
+
 def test_resident_keys_are_not_split_with_128_row_tiles(monkeypatch):
     from cupy_xattn import attention_bwd
     from cupy_xattn.checks import Problem

@@ -73,11 +73,16 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
     assert cubin[:4] == b"\x7fELF" and b"bench" in cubin and b"probe_11" in cubin
 
 
-# The builds the ablations are timed in on the H200: the resident kernel on wgmma, fp16 O (fp16 mode)
-# and fp32 O^T (tf32 mode).
-_TIMED_BUILDS = [dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
-                      ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_O_TRANSPOSED=int(o_t),
-                      ATTN_O_HALF=int(not o_t), ATTN_WGMMA=1) for o_t in (False, True)]
+# The builds the ablations are timed in on the H200: the resident kernel on wgmma, fp16 O and fp32 O^T
+# (the tf32 mode's); the lean trees' attn_bwd_lean, the fp16 mode's and the tf32 mode's (O^T, dQ^T; it
+# adds bq where it stores the tiles, in code lean_bq leaves alone).
+_RESIDENT = dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
+                 ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_WGMMA=1)
+_TIMED_BUILDS = [dict(_RESIDENT, ATTN_O_TRANSPOSED=int(o_t), ATTN_O_HALF=int(not o_t)) for o_t in (False, True)]
+_LEAN_BUILDS = [dict(_RESIDENT, ATTN_LEAN=1, ATTN_O_HALF=1, ATTN_KV_HALF=1, ATTN_QDO_HALF=1),
+                dict(_RESIDENT, ATTN_LEAN=1, ATTN_O_TRANSPOSED=1, ATTN_DQ_TRANSPOSED=1)]
+_ABLATIONS = ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv", "dkdv3", "lean_bq",
+              "lean_ds_max", "lean_stores", "lean_o"]
 
 
 def _attention_ptx(folder, defines, monkeypatch):
@@ -87,7 +92,7 @@ def _attention_ptx(folder, defines, monkeypatch):
     return kernels.compile_ptx("attention_bwd.cu", "sm_90a", defines)
 
 
-@pytest.mark.parametrize("name", ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv", "dkdv3"])
+@pytest.mark.parametrize("name", _ABLATIONS)
 def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path, monkeypatch):
     # Each ablation rewrites lines of the kernels. An edit that no longer matches, or that lands in
     # code the timed build does not compile (Session 15's first dq tree edited only the mma.sync
@@ -95,14 +100,14 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
     import shutil
     ablation = _script("attention_ablation")
     root = Path(__file__).resolve().parent.parent
-    assert set(ablation.ABLATIONS) == {"loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv",
-                                       "dkdv3"}
+    assert set(ablation.ABLATIONS) == set(_ABLATIONS)
     for tree in ("base", name):
         shutil.copytree(root / "kernels_cu", tmp_path / tree / "kernels_cu")
     for file, text in ablation.edit(name, lambda file: (root / file).read_text()).items():
         (tmp_path / name / file).parent.mkdir(exist_ok=True)
         (tmp_path / name / file).write_text(text)
-    for defines in _TIMED_BUILDS:
+    builds = _TIMED_BUILDS if not name.startswith("lean_") else _LEAN_BUILDS[:1] if name == "lean_bq" else _LEAN_BUILDS
+    for defines in builds:
         base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
         changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
         assert changed, f"the {name} tree leaves the build {defines} as it is"
