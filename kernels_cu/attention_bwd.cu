@@ -893,12 +893,12 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
             d_row[h] = quad_sum(dot);
         }
         score_grads<NT_K>(dp, p, d_row, scale);  // dS, in the dp registers
+        unsigned p_frag[NK / 16][4], ds_frag[NK / 16][4];
+        store_fragments<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t, p_frag);  // P's scale is fixed: before the wait
         __syncthreads();  // red[0]: the tile's largest |dP|
         ds_run.update(ds_observed_scale(red[0], scale));
         const float dk_ratio = ds_run.ratio * q_ratio;
         if (dk_ratio != 1.f) scale_all<NT_K>(dk_acc, dk_ratio);  // block-uniform
-        unsigned p_frag[NK / 16][4], ds_frag[NK / 16][4];
-        store_fragments<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t, p_frag);
         store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_run.s, g, t, ds_frag);
         fence_operands();
         __syncthreads();  // every row of P and dS is stored
