@@ -151,8 +151,8 @@ def lean_tf32(problem, layout, sm_count):
     """Whether the tf32 mode's wgmma build is attn_bwd_lean (its fp32 Q0 and dO tiles staged by cp.async,
     ATTN_LEAN) rather than attn_bwd_resident's: where its blocks take LEAN_TF32_TILES query tiles or
     more, or the (batch, head) pairs alone fill the slots (several waves: no chunks). Measured on the
-    H200 (perf-notes v64): the tf32 suite mean −1.6 to −1.7 µs (three A/B pairs); 2x4096x77 −10 to −12,
-    64x128x77 −7 to −9, the cases of four tiles a block −2 to −4. Everywhere (all lean): blocks of one or
+    H200 (perf-notes v64): the tf32 suite mean −1.6 to −1.7 µs (three A/B pairs); 2x4096x77 −7 to −12,
+    64x128x77 −7 to −8, 8x512x77 −2 to −4. Everywhere (all lean): blocks of one or
     two tiles of a split grid (2x512x77, 4x512x77, 2x691x77) +1 to +3, a cost per block (the staging's
     round trip, dS's observed scale) against a saving per tile."""
     pairs = problem.batch_size * problem.num_heads
