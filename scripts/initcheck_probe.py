@@ -9,7 +9,8 @@ scripts/initcheck_probe.py kernels 1x100x93``:
     kernels    every kernel of ours alone, on each shape (BxNvxNt or BxNvxNt:D:H, default
                2x64x77): the fused attention kernels (backward, then forward) with every text
                token and with padded lengths (and the backward reading an fp16 [K0 | V0] where
-               attention_bwd.half_kv says; in tf32 also writing O^T, and O^T with dQ^T and dQ's
+               attention_bwd.half_kv says, and fp16 Q0 and dO too where half_qdo says: the lean
+               kernel's fp16 build; in tf32 also writing O^T, and O^T with dQ^T and dQ's
                column sums where dQ is whole), then the fp16 scaling (copies and remainders) and
                the tf32 mode's transposes (weights side by side, X^T and dY^T apart, [dK | dV]^T)
                on tensors of the backward's sizes; inputs copied from the
@@ -72,11 +73,25 @@ def probe_attention(shape, precision):
     # the samples' length (the backward asks for them on long ones: backward._dq_transposed).
     whole_dq = attention_bwd.launch_layout(problem, precision, sm_count).kv_parts == 1
     layouts = [(False, False)] + ([(True, False)] + [(True, True)] * whole_dq if precision == "tf32" else [])
-    for (o_transposed, dq_transposed), kv_half, lengths in itertools.product(
-            layouts, (False, True) if half else (False,),
-            (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
+    variants = [(o_t, dq_t, kv_half, False) for (o_t, dq_t), kv_half in
+                itertools.product(layouts, (False, True) if half else (False,))]
+    # attn_bwd_lean's fp16 build where the backward runs it (half_qdo): Q0 and dO in fp16 too, at
+    # s = kv_half_alpha / (inv_x · inv_wq) and kv_half_alpha / (inv_dy · inv_wo) (inverse scales
+    # 2^-15, 2^-10 and 2^-20 here: both near 1). The tf32 mode's lean build is its plain one where
+    # lean_tf32 holds for the shape (e.g. 2x4096x77).
+    qdo = attention_bwd.half_qdo(problem, precision, sm_count)
+    if qdo:
+        variants.append((False, False, True, True))
+        inv_x, inv_wq, inv_wo = 2.0 ** -15, 2.0 ** -10, 2.0 ** -20
+        qdo_scales = cupy.array([inv_x, inv_wq, inv_wo], numpy.float32)
+        alpha = attention_bwd.kv_half_alpha(hidden)
+        q0_half = (q0 * (alpha / (inv_x * inv_wq))).astype(numpy.float16)
+        dout_half = (dout * (alpha / (float(o_scales[3]) * inv_wo))).astype(numpy.float16)
+    for (o_transposed, dq_transposed, kv_half, qdo_half), lengths in itertools.product(
+            variants, (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
         backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed,
-                                                   o_half=o_half, kv_half=kv_half, dq_transposed=dq_transposed)
+                                                   o_half=o_half, kv_half=kv_half, dq_transposed=dq_transposed,
+                                                   qdo_half=qdo_half)
         o_shape = (hidden, attention_bwd.o_t_stride(b * nv)) if o_transposed else q0.shape
         lengths = cupy.asarray(lengths)
         o, dq, dkv, y = (cupy.full(shape, numpy.nan, numpy.float32)
@@ -88,16 +103,19 @@ def probe_attention(shape, precision):
         if o_half:
             o = o.astype(numpy.float16)
             o_lo = o.copy() if precision == "fp32" else None
-        backward(q0, kv0_half if kv_half else kv0, table.data.ptr, dout, o, dq, dkv, lengths,
+        backward(q0_half if qdo_half else q0, kv0_half if kv_half else kv0, table.data.ptr,
+                 dout_half if qdo_half else dout, o, dq, dkv, lengths,
                  o_scales=None if o_scales is None else tuple(o_scales.data.ptr + 4 * i for i in range(6)),
                  o_lo=None if o_lo is None else o_lo.data.ptr,
                  kv_scale=kv_scale.data.ptr if kv_half and kv_scale is not None else None,
-                 dq_t=None if dq_t is None else dq_t.data.ptr, dq_sums=None if dq_sums is None else dq_sums.data.ptr)
+                 dq_t=None if dq_t is None else dq_t.data.ptr, dq_sums=None if dq_sums is None else dq_sums.data.ptr,
+                 qdo_scales=tuple(qdo_scales.data.ptr + 4 * i for i in range(3)) if qdo_half else None)
         forward(q0, kv0, table.data.ptr, lengths, y)
         outputs = ((o[:, :b * nv] if o_transposed else o, dq, dkv, y) + (() if o_lo is None else (o_lo,))
                    + (() if dq_t is None else (dq_t[:, :b * nv], dq_sums)))
         finite = all(bool(cupy.isfinite(x).all()) for x in outputs)
-        print(f"attention {shape} {precision}{' fp16 K0|V0' if kv_half else ''}{' dQ^T' if dq_transposed else ''}: "
+        print(f"attention {shape} {precision}{' fp16 K0|V0' if kv_half else ''}{' and Q0, dO (lean)' if qdo_half else ''}"
+              f"{' dQ^T' if dq_transposed else ''}: "
               f"outputs finite: {finite}", flush=True)
         if not finite:  # an output the kernels left unwritten keeps its NaN poison
             raise SystemExit(1)
