@@ -57,7 +57,8 @@ def probe_attention(shape, precision):
     # fp16 (fp32: and its remainder) at a scale from a bound on |V| (inverse scales of T, the weights
     # and bv: 2^-15, 2^-10, 2^-12 bound max|V| by hidden · 32 + 8 here); inv_o, alpha_o (fp32: two) written.
     o_half = precision != "tf32"
-    o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, 2.0 ** -3] + [numpy.nan] * 3, numpy.float32)
+    inv_dy = 2.0 ** -3
+    o_scales = (cupy.array([2.0 ** -15, 2.0 ** -10, 2.0 ** -12, inv_dy] + [numpy.nan] * 3, numpy.float32)
                 if o_half else None)
     forward = attention_fwd.AttentionForward(problem, "fp32" if precision == "fp32" else "tf32")
     # K0 | V0 in fp16 too where the backward reads it so (attention_bwd.half_kv): at s_KV = alpha /
@@ -86,7 +87,7 @@ def probe_attention(shape, precision):
         qdo_scales = cupy.array([inv_x, inv_wq, inv_wo], numpy.float32)
         alpha = attention_bwd.kv_half_alpha(hidden)
         q0_half = (q0 * (alpha / (inv_x * inv_wq))).astype(numpy.float16)
-        dout_half = (dout * (alpha / (float(o_scales[3]) * inv_wo))).astype(numpy.float16)
+        dout_half = (dout * (alpha / (inv_dy * inv_wo))).astype(numpy.float16)
     for (o_transposed, dq_transposed, kv_half, qdo_half), lengths in itertools.product(
             variants, (numpy.full(b, nt, numpy.int32), *sanitize.padded_lengths(b, nt))):
         backward = attention_bwd.AttentionBackward(problem, precision, sm_count, o_transposed=o_transposed,
