@@ -413,6 +413,35 @@ __device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, c
     return inv_kv ? pow2(-exponent_of(*inv_kv)) : product_half_scale(hidden, inv_t, inv_w);
 }
 
+#if ATTN_KEYS > 0
+// The resident kernels' K and V, all NK key rows (rows at or past n_keys as zeros), into their
+// operand tiles; returns their scales (s_K, s_V). ATTN_KV_HALF: copied as they are by cp.async at
+// s_KV, the group committed by the caller, or with V_MAX (attn_bwd_resident's bound on |dS|) here,
+// waited for, and V's largest |element| published to red_v. Else from fp32 at their own scales
+// (load_tiles, with red_k and red_v its block-maximum slots).
+template <int NK, bool V_MAX, typename In>
+__device__ __forceinline__ float2 load_keys_values(operand_t* k_s, operand_t* v_s, const HeadSlices<In>& hs, int n_keys,
+                                                   int hidden, const float* inv_t, const float* inv_w,
+                                                   const float* inv_kv, float* red_k, float* red_v) {
+    const long long ld_kv = 2LL * hidden;
+#if ATTN_KV_HALF
+    copy_half_tile<NK>(k_s, hs.k, ld_kv, 0, n_keys);
+    copy_half_tile<NK>(v_s, hs.v, ld_kv, 0, n_keys);
+    if (V_MAX) {
+        cp_async_commit();
+        cp_async_wait_all();
+        publish_max(red_v, copied_half_amax<NK>(v_s));
+    }
+    const float s_kv = kv_half_scale(hidden, inv_t, inv_w, inv_kv);
+    return make_float2(s_kv, s_kv);
+#else
+    RunScale k_scale, v_scale;
+    load_tiles<NK>(k_s, hs.k, nullptr, red_k, k_scale, v_s, hs.v, red_v, v_scale, ld_kv, 0, n_keys);
+    return make_float2(k_scale.s, v_scale.s);
+#endif
+}
+#endif
+
 // Block (0, 0, 0) leaves 1 / s_O in inv_o (the scale of O's slot, for the alphas the second
 // conversion sets) and dWo's alpha, inv_dy / s_O, in alpha_o[0]: so dWo = dY^T O can run as soon
 // as this kernel ends, beside that conversion. The same product as the alpha table's (the same
@@ -812,15 +841,8 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     prefetch_tile<ATTN_BLOCK_Q>(do_stage, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
     RunScale q_run, do_run;  // the tiles' scales (the runs dK^T and dV^T accumulate over)
 #endif
-#if ATTN_KV_HALF
-    copy_half_tile<NK>(k_s, hs.k, ld_kv, 0, n_keys);
-    copy_half_tile<NK>(v_s, hs.v, ld_kv, 0, n_keys);
-    const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
-#else
-    RunScale k_scale, v_scale;
-    load_tiles<NK>(k_s, hs.k, nullptr, red[3], k_scale, v_s, hs.v, red[4], v_scale, ld_kv, 0, n_keys);
-    const float s_k = k_scale.s, s_v = v_scale.s;
-#endif
+    const float2 s_kv = load_keys_values<NK, false>(k_s, v_s, hs, n_keys, hidden, inv_t, inv_w, inv_kv, red[3], red[4]);
+    const float s_k = s_kv.x, s_v = s_kv.y;
     cp_async_commit();
     const float s_o = o_half_scale(hidden, inv_t, inv_w, inv_bv);
 
@@ -968,19 +990,9 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     const float scale_log2 = scale * 1.4426950408889634f;
     const long long ld_kv = 2LL * hidden;
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
-#if ATTN_KV_HALF
-    // K and V as they are; V's largest |element| (red[1]) is read after the first query tile's barrier.
-    copy_half_tile<NK>(k_s, hs.k, ld_kv, 0, n_keys);
-    copy_half_tile<NK>(v_s, hs.v, ld_kv, 0, n_keys);
-    cp_async_commit();
-    cp_async_wait_all();
-    publish_max(red[1], copied_half_amax<NK>(v_s));
-    const float s_k = kv_half_scale(hidden, inv_t, inv_w, inv_kv), s_v = s_k;
-#else
-    RunScale k_scale, v_scale;
-    load_tiles<NK>(k_s, hs.k, nullptr, red[0], k_scale, v_s, hs.v, red[1], v_scale, ld_kv, 0, n_keys);
-    const float s_k = k_scale.s, s_v = v_scale.s;
-#endif
+    // ATTN_KV_HALF: V's largest |element| (red[1]) is read after the first query tile's barrier.
+    const float2 s_kv = load_keys_values<NK, true>(k_s, v_s, hs, n_keys, hidden, inv_t, inv_w, inv_kv, red[0], red[1]);
+    const float s_k = s_kv.x, s_v = s_kv.y;
     stage_value_bias(bv_s, biases[2] + col);
 
     // dK and dV accumulate over the query tiles at the latest tile's operand scales,
