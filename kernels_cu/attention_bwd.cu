@@ -897,16 +897,7 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         float d_row[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float mx = neg_inf();
-#pragma unroll
-            for (int n = 0; n < NT_K; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
-            mx = quad_max(mx);  // finite: n_keys ≥ 1
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_K; ++n)
-#pragma unroll
-                for (int i = 2 * h; i < 2 * h + 2; ++i) sum += (p[n][i] = exp2f(p[n][i] - mx));
-            const float norm = 1.f / quad_sum(sum);
+            const float norm = 1.f / exp_row<NT_K, false>(p, h).y;  // every row has a key: n_keys ≥ 1
             float dot = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_K; ++n)
@@ -1049,22 +1040,9 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
         float norm[2];  // what this part's exp2(s − its max) is multiplied by
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float mx = neg_inf();
-#pragma unroll
-            for (int n = 0; n < NT_K; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
-            mx = quad_max(mx);
-            const float base = mx == neg_inf() ? 0.f : mx;  // every key of this part masked: p = 0
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_K; ++n)
-#pragma unroll
-                for (int i = 2 * h; i < 2 * h + 2; ++i) {
-                    p[n][i] = exp2f(p[n][i] - base);
-                    sum += p[n][i];
-                }
-            sum = quad_sum(sum);
-            norm[h] = 1.f / sum;
-            if (ATTN_KEY_SPLIT > 1 && t == 0) part_row[part][r0 + g + 8 * h] = make_float2(mx, sum);
+            const float2 row = exp_row<NT_K, true>(p, h);  // (max, sum)
+            norm[h] = 1.f / row.y;
+            if (ATTN_KEY_SPLIT > 1 && t == 0) part_row[part][r0 + g + 8 * h] = row;
         }
         if (ATTN_KEY_SPLIT > 1) {
             row_sync(row_group);

@@ -819,6 +819,25 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Row half h (rows g and g + 8) of a warp's scores p (log2 units, masked keys at −∞) over all the
+// keys it holds: p becomes exp2(p − the row's max); returns (that max, the row's sum of the new p).
+// MASKED: all of a row's keys here may be masked (a key part of the resident kernel): then the max
+// is −∞ and p = 0.
+template <int NT, bool MASKED>
+__device__ __forceinline__ float2 exp_row(float p[NT][4], int h) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
+    mx = quad_max(mx);
+    const float base = MASKED && mx == neg_inf() ? 0.f : mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int i = 2 * h; i < 2 * h + 2; ++i) sum += (p[n][i] = exp2f(p[n][i] - base));
+    return make_float2(mx, quad_sum(sum));
+}
+
 // One key tile of an online softmax, for row half h (rows g and g + 8) of a warp's scores s (log2
 // units, keys to skip at −∞): the running max m_run takes the tile's max (finite once the row
 // has seen a valid key), corr = exp2(old max − new max) is what running sums must be scaled by,
