@@ -3,7 +3,7 @@
 Each tree is this checkout's commit with one part of attn_bwd_resident, or (the lean_ trees) of
 attn_bwd_lean, taken out (the results are wrong; only the kernel's time means anything):
   loads   every tile load reads the head's first rows (hits in L2/L1): the global-load latency
-  exp     the softmax without exp2f
+  exp     the resident (and lean) kernel's softmax without exp2f (exp_row)
   stores  the dQ and O stores behind a condition that never holds (their products stay)
   dq      the dQ stores alone behind that condition
   stores_l2  the dQ and O (or O^T) stores kept, to 16 rows per sample and head that stay in L2
@@ -54,7 +54,7 @@ DKDV = [(BWD, "        if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_r
 ABLATIONS = {
     "loads": [(COMMON, "src + (long long)(row0 + row(j)) * ld_src + col()",
                "src + (long long)row(j) * ld_src + col()")],
-    "exp": [(BWD, "p[n][i] = exp2f(p[n][i] - base);", "p[n][i] = p[n][i] - base;")],
+    "exp": [(COMMON, "sum += (p[n][i] = exp2f(p[n][i] - base));", "sum += (p[n][i] = p[n][i] - base);")],
     "stores": [(BWD, "store_dq<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_dq<NT_HD>(hs.dq + col0,"),
                (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t,", "            if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,"),
                (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],

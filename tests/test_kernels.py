@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+import builds
 from cupy_xattn import kernels
 
 # Collected from the folder: an empty kernels_cu/ is a collection error, not a silent pass.
@@ -97,16 +98,12 @@ def test_wgmma_attention_compiles_for_sm_90a(defines):
 def test_the_lean_attention_compiles_for_sm_90a_in_the_fp16_modes_build_only():
     # attn_bwd_lean (ATTN_LEAN) in place of attn_bwd_resident: wgmma; with ATTN_QDO_HALF fp16 K0|V0 and O;
     # without, the tf32 mode's builds (O^T, dQ^T).
-    lean = {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1, "ATTN_WGMMA": 1, "ATTN_LEAN": 1,
-            "ATTN_QDO_HALF": 1}
-    tf32 = {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_WGMMA": 1, "ATTN_LEAN": 1, "ATTN_O_TRANSPOSED": 1,
-            "ATTN_DQ_TRANSPOSED": 1}
-    for defines in (lean, tf32):
+    for defines in (builds.LEAN_FP16, builds.LEAN_TF32):
         cubin = kernels.compile_cubin("attention_bwd.cu", "sm_90a", defines)
         assert b"attn_bwd_lean" in cubin and b"attn_bwd_resident" not in cubin
     for missing in ("ATTN_KV_HALF", "ATTN_O_HALF", "ATTN_LEAN", "ATTN_WGMMA"):
         with pytest.raises(kernels.CompileError, match="attn_bwd_lean"):
-            kernels.compile_cubin("attention_bwd.cu", "sm_90a", dict(lean, **{missing: 0}))
+            kernels.compile_cubin("attention_bwd.cu", "sm_90a", dict(builds.LEAN_FP16, **{missing: 0}))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -363,10 +360,7 @@ _PTX_BUILDS = [("attention_bwd.cu", {}), ("attention_bwd.cu", {"ATTN_HALF": 1, "
                ("attention_fwd.cu", {}), ("half_scaling.cu", {}), ("transpose.cu", {})]
 # ... and the wgmma builds, sm_90a's only: the resident attention's, the lean one's.
 _SM90A_BUILDS = [("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_WGMMA": 1}),
-                 ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_O_HALF": 1, "ATTN_KV_HALF": 1,
-                                       "ATTN_WGMMA": 1, "ATTN_LEAN": 1, "ATTN_QDO_HALF": 1}),
-                 ("attention_bwd.cu", {"ATTN_KEYS": 80, "ATTN_HALF": 1, "ATTN_WGMMA": 1, "ATTN_LEAN": 1,
-                                       "ATTN_O_TRANSPOSED": 1, "ATTN_DQ_TRANSPOSED": 1})]
+                 ("attention_bwd.cu", builds.LEAN_FP16), ("attention_bwd.cu", builds.LEAN_TF32)]
 _SM90A_KERNELS = {"attn_bwd_lean"}
 _GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)(?!\.param|\.shared|\.local|\.const)\S*",
                             re.MULTILINE)

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy
 import pytest
 
+import builds
+
 SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*"))
 
 
@@ -79,8 +81,7 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
 _RESIDENT = dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
                  ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_WGMMA=1)
 _TIMED_BUILDS = [dict(_RESIDENT, ATTN_O_TRANSPOSED=int(o_t), ATTN_O_HALF=int(not o_t)) for o_t in (False, True)]
-_LEAN_BUILDS = [dict(_RESIDENT, ATTN_LEAN=1, ATTN_O_HALF=1, ATTN_KV_HALF=1, ATTN_QDO_HALF=1),
-                dict(_RESIDENT, ATTN_LEAN=1, ATTN_O_TRANSPOSED=1, ATTN_DQ_TRANSPOSED=1)]
+_LEAN_BUILDS = [dict(_RESIDENT, **builds.LEAN_FP16), dict(_RESIDENT, **builds.LEAN_TF32)]
 _ABLATIONS = ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv", "dkdv3", "lean_bq",
               "lean_ds_max", "lean_stores", "lean_o"]
 
