@@ -122,7 +122,9 @@ def kernel_choice(num_text_tokens, precision, head_dim=64, key_split=1, wgmma=Fa
 
 
 #: launch_layout's answer: kernel name, ATTN_KEYS, query rows per tile, shared-memory bytes, blocks per
-#: SM, query chunks, tiles per chunk, ATTN_KEY_SPLIT, ATTN_KV_PARTS
+#: SM, query chunks, tiles per chunk, ATTN_KEY_SPLIT, ATTN_KV_PARTS. The name and bytes are those of the
+#: mma.sync build on fp32 K0|V0; AttentionBackward takes kernel_choice's for its wgmma (lean) or
+#: fp16-K0|V0 build, with the layout's blocks per SM.
 Layout = collections.namedtuple("Layout", "name keys rows smem_bytes blocks_per_sm n_chunks tiles_per_chunk "
                                           "key_split kv_parts")
 
