@@ -59,6 +59,19 @@ def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
         sass_mix.loop_mix(sass, "missing")
 
 
+def test_sass_same_counts_the_lines_that_differ_and_builds_only_known_defines():
+    sass_same = _script("sass_same")
+    listing = "HMMA R0, R2, R4, R0 ;\nFADD R1, R1, R3 ;\nEXIT ;"
+    assert sass_same.differing_lines(listing, listing) == 0
+    assert sass_same.differing_lines(listing, listing.replace("R3", "R5")) == 2  # a line out, a line in
+    assert sass_same.differing_lines(listing, listing + "\nNOP ;") == 1
+    from cupy_xattn import kernels
+    for name, file, arch, defines in sass_same.BUILDS:  # a misspelt define would compile the default build
+        source = kernels.kernel_source(file)
+        assert all(f"#ifndef {define}" in source for define in defines), name
+        assert arch in ("sm_80", "sm_90", "sm_90a"), name
+
+
 def test_wgmma_probe_strides_are_the_ones_the_h200_confirmed():
     # (LBO, SBO, bytes per 16 of K) that gave A·B^T to fp32 rounding on the H200 (docs/perf-notes.md,
     # Session 13): a K-major [64][64] A, and a [64][80] B read transposed (its rows run along K).

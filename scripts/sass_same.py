@@ -1,0 +1,118 @@
+"""Whether a change leaves the compiled kernels as they were, without a GPU: the SASS of every build
+in BUILDS from this checkout's kernels_cu/ against another revision's. A refactor whose SASS is the
+same needs no new device timing (perf-notes, Session 32).
+
+Usage:  PYTHONPATH=. python3 scripts/sass_same.py b42e9be [--nvdisasm PATH] [--jobs 2]
+
+Each build is compiled as ``nvcc -cubin -ftz=true`` (CuPy's -ftz; sass_mix.py --nvcc) from the
+sources with their headers inlined (kernels.kernel_source) and disassembled by nvdisasm (the CUDA
+toolkit's, or the ``nvidia-cuda-nvdisasm`` wheel's: see sass_mix.py). Prints one line a build:
+"same", or how many lines of SASS differ (``diff`` of the two listings). Exit status 1 if any differ.
+"""
+import argparse
+import concurrent.futures
+import difflib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# The builds the library plans (attention_bwd.AttentionBackward's defines; the resident ones at 80
+# keys, as the benchmark's 77 text tokens give) and the other kernel files: (name, file, arch, defines).
+_R = dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
+          ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_WGMMA=1)
+_MMA = dict(_R, ATTN_WGMMA=0)
+_STREAMED = dict(_MMA, ATTN_KEYS=0)
+BUILDS = [
+    ("lean fp16", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_LEAN=1, ATTN_O_HALF=1, ATTN_KV_HALF=1, ATTN_QDO_HALF=1)),
+    ("lean tf32", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_LEAN=1, ATTN_O_TRANSPOSED=1, ATTN_DQ_TRANSPOSED=1)),
+    ("lean tf32 O^T", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_LEAN=1, ATTN_O_TRANSPOSED=1)),
+    ("resident wgmma fp16 O", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_O_HALF=1)),
+    ("resident wgmma fp16 K|V", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("resident wgmma O^T", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_O_TRANSPOSED=1)),
+    ("resident wgmma dQ^T", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_O_TRANSPOSED=1, ATTN_DQ_TRANSPOSED=1)),
+    ("resident mma fp16 O", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_HALF=1)),
+    ("resident mma fp16 K|V", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("resident mma key split", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_HALF=1, ATTN_KEY_SPLIT=2, ATTN_KEYS=96)),
+    ("resident mma key split K|V", "attention_bwd.cu", "sm_90",
+     dict(_MMA, ATTN_O_HALF=1, ATTN_KEY_SPLIT=2, ATTN_KEYS=96, ATTN_KV_HALF=1)),
+    ("resident mma O^T", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_TRANSPOSED=1)),
+    ("resident fp32", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_HALF=0, ATTN_SPLIT3=1, ATTN_O_HALF=1)),
+    ("resident sm_80", "attention_bwd.cu", "sm_80", dict(_MMA, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("streamed fp16", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_O_HALF=1)),
+    ("streamed fp16 K|V", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("streamed fp32", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_HALF=0, ATTN_SPLIT3=1)),
+    ("streamed fp32 head_dim 128", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_HALF=0, ATTN_SPLIT3=1, ATTN_HEAD_DIM=128)),
+    ("forward", "attention_fwd.cu", "sm_90", {}),
+    ("half scaling", "half_scaling.cu", "sm_90", {}),
+    ("transpose", "transpose.cu", "sm_90", {}),
+]
+
+
+def differing_lines(a, b):
+    """How many lines of SASS listing ``a`` differ from ``b`` (each side's lines that diff marks)."""
+    return sum(1 for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def _sources(source_dir, files):
+    """{file: its text with headers inlined} from the kernels_cu/ folder ``source_dir``."""
+    from cupy_xattn import kernels
+    saved = kernels.SOURCE_DIRS
+    kernels.SOURCE_DIRS = (source_dir,)
+    try:
+        return {file: kernels.kernel_source(file) for file in files}
+    finally:
+        kernels.SOURCE_DIRS = saved
+
+
+def _sass(text, file, arch, defines, nvdisasm, folder):
+    os.makedirs(folder)
+    source, cubin = os.path.join(folder, file), os.path.join(folder, "kernel.cubin")
+    with open(source, "w") as f:
+        f.write(text)
+    subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin, source]
+                   + [f"-D{k}={v}" for k, v in defines.items()], check=True, capture_output=True)
+    return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def main():
+    from pathlib import Path
+
+    from cupy_xattn import kernels
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revision", help="the git revision to compare this checkout's kernels_cu/ with")
+    parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM") or shutil.which("nvdisasm"))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    if not args.nvdisasm:
+        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM (see sass_mix.py for the wheel)")
+    here = kernels.source_dir()
+    files = sorted({file for _, file, _, _ in BUILDS})
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp, "base")
+        base.mkdir()
+        root, prefix = (subprocess.run(["git", "-C", str(here), "rev-parse", option], capture_output=True, text=True,
+                                       check=True).stdout.strip() for option in ("--show-toplevel", "--show-prefix"))
+        archive = subprocess.run(["git", "-C", root, "archive", f"{args.revision}:{prefix}"], capture_output=True,
+                                 check=True)
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
+        trees = {"old": _sources(base, files), "new": _sources(here, files)}
+
+        def compare(i):
+            name, file, arch, defines = BUILDS[i]
+            old, new = (_sass(trees[tree][file], file, arch, defines, args.nvdisasm, os.path.join(tmp, f"{tree}{i}"))
+                        for tree in ("old", "new"))
+            return name, differing_lines(old, new)
+
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(compare, range(len(BUILDS))))
+    for name, lines in results:
+        print(f"{name:30s} {'same' if lines == 0 else f'{lines} lines differ'}")
+    sys.exit(1 if any(lines for _, lines in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
