@@ -183,6 +183,26 @@ def test_the_lean_kernels_q_tile_stays_finite_where_bq_dwarfs_x_wq():
     assert max(errors.values()) <= 5e-3, errors
 
 
+@pytest.mark.parametrize("precision", ["fp16", "tf32"])
+@pytest.mark.parametrize("factor", [2.0 ** 6, 2.0 ** -12])
+def test_the_lean_kernels_ds_scale_follows_query_tiles_far_larger_or_smaller_than_the_blocks_first(precision,
+                                                                                                    factor):
+    # attn_bwd_lean stores each query tile's dS at a scale from |dP|, and dK^T sums the tiles of a
+    # block at the latest one (ds_run): every other 64-row tile of dY here is 2^6 (or 2^-12) times the
+    # rest, so the scale moves up and down from tile to tile within a block (1x4096x77: blocks of
+    # four tiles on the H200; tf32's lean_tf32 takes the same blocks).
+    case = cases.Case(1, 4096, 77, atol=0.0)
+    inputs, _ = _case_data(case, 14)
+    inputs = {name: array.copy() for name, array in inputs.items()}
+    tiles = inputs["grad_output"].reshape(1, -1, 128, 1024)  # pairs of 64-row tiles
+    tiles[:, :, 64:] *= numpy.float32(factor)
+    ref = reference.backward(**inputs, num_heads=16)
+    got = cross_attention_backward(**_on_gpu(inputs), precision=precision)
+    assert all(_cupy().isfinite(x).all() for x in got)
+    errors = _relative_errors(got, ref)
+    assert max(errors.values()) <= 5e-3, errors
+
+
 # dWo's bounds: measured (H200, 2026-11-30) fp16 3.1e-4; fp32 1.3e-6 at e = 12 (6.1e-5 before O's
 # remainder had a scale of its own), 8.7e-6 at e = 20 (1.4e-4 at e = 24).
 @pytest.mark.parametrize("precision, exponent, dwo_bound, n_text", [("fp16", 12, 1e-3, 77), ("fp32", 12, 5e-6, 77),
