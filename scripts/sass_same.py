@@ -18,11 +18,13 @@ import subprocess
 import sys
 import tempfile
 
-# The builds the library plans (attention_bwd.AttentionBackward's defines; the resident ones at 80
-# keys, as the benchmark's 77 text tokens give) and the other kernel files: (name, file, arch, defines).
+# Builds of the kinds the library plans (attention_bwd.AttentionBackward's defines: the resident ones
+# at the benchmark's 77 text tokens, the streamed ones in both tile widths and with key parts) and
+# the other kernel files: (name, file, arch, defines). Not every planned combination of knobs.
 _R = dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
           ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_WGMMA=1)
 _MMA = dict(_R, ATTN_WGMMA=0)
+_SPLIT = dict(_MMA, ATTN_KEY_SPLIT=2, ATTN_KEYS=96, ATTN_RESIDENT_MIN_BLOCKS=1)  # one block an SM: keys split
 _STREAMED = dict(_MMA, ATTN_KEYS=0)
 BUILDS = [
     ("lean fp16", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_LEAN=1, ATTN_O_HALF=1, ATTN_KV_HALF=1, ATTN_QDO_HALF=1)),
@@ -34,15 +36,23 @@ BUILDS = [
     ("resident wgmma dQ^T", "attention_bwd.cu", "sm_90a", dict(_R, ATTN_O_TRANSPOSED=1, ATTN_DQ_TRANSPOSED=1)),
     ("resident mma fp16 O", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_HALF=1)),
     ("resident mma fp16 K|V", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
-    ("resident mma key split", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_HALF=1, ATTN_KEY_SPLIT=2, ATTN_KEYS=96)),
-    ("resident mma key split K|V", "attention_bwd.cu", "sm_90",
-     dict(_MMA, ATTN_O_HALF=1, ATTN_KEY_SPLIT=2, ATTN_KEYS=96, ATTN_KV_HALF=1)),
+    ("resident mma key split", "attention_bwd.cu", "sm_90", dict(_SPLIT, ATTN_O_HALF=1)),
+    ("resident mma key split K|V", "attention_bwd.cu", "sm_90", dict(_SPLIT, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("resident mma key split O^T", "attention_bwd.cu", "sm_90", dict(_SPLIT, ATTN_O_TRANSPOSED=1)),
     ("resident mma O^T", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_O_TRANSPOSED=1)),
     ("resident fp32", "attention_bwd.cu", "sm_90", dict(_MMA, ATTN_HALF=0, ATTN_SPLIT3=1, ATTN_O_HALF=1)),
     ("resident sm_80", "attention_bwd.cu", "sm_80", dict(_MMA, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
     ("streamed fp16", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_O_HALF=1)),
     ("streamed fp16 K|V", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("streamed fp16 64-key tiles", "attention_bwd.cu", "sm_90",
+     dict(_STREAMED, ATTN_BLOCK_KV=64, ATTN_O_HALF=1, ATTN_KV_HALF=1)),
+    ("streamed fp16 key parts", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_O_HALF=1, ATTN_KV_HALF=1, ATTN_KV_PARTS=2)),
+    ("streamed tf32 64-key tiles", "attention_bwd.cu", "sm_90",
+     dict(_STREAMED, ATTN_BLOCK_KV=64, ATTN_O_TRANSPOSED=1, ATTN_KV_HALF=1)),
+    ("streamed tf32 key parts", "attention_bwd.cu", "sm_90",
+     dict(_STREAMED, ATTN_O_TRANSPOSED=1, ATTN_KV_HALF=1, ATTN_KV_PARTS=2)),
     ("streamed fp32", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_HALF=0, ATTN_SPLIT3=1)),
+    ("streamed fp16 head_dim 128", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_HEAD_DIM=128, ATTN_O_HALF=1)),
     ("streamed fp32 head_dim 128", "attention_bwd.cu", "sm_90", dict(_STREAMED, ATTN_HALF=0, ATTN_SPLIT3=1, ATTN_HEAD_DIM=128)),
     ("forward", "attention_fwd.cu", "sm_90", {}),
     ("half scaling", "half_scaling.cu", "sm_90", {}),
