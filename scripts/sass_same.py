@@ -2,12 +2,12 @@
 in BUILDS from this checkout's kernels_cu/ against another revision's. A refactor whose SASS is the
 same needs no new device timing (perf-notes, Session 32).
 
-Usage:  PYTHONPATH=. python3 scripts/sass_same.py b42e9be [--nvdisasm PATH] [--jobs 2]
+Usage:  PYTHONPATH=. python3 scripts/sass_same.py b42e9be [--nvdisasm PATH] [--jobs N]
 
 Each build is compiled as ``nvcc -cubin -ftz=true`` (CuPy's -ftz; sass_mix.py --nvcc) from the
 sources with their headers inlined (kernels.kernel_source) and disassembled by nvdisasm (the CUDA
 toolkit's, or the ``nvidia-cuda-nvdisasm`` wheel's: see sass_mix.py). Prints one line a build:
-"same", or how many lines of SASS differ (``diff`` of the two listings). Exit status 1 if any differ.
+"same", or how many lines of SASS differ (``diff`` of the two listings). Exit status 1 if any differ, 2 if a build or the revision fails.
 """
 import argparse
 import concurrent.futures
@@ -82,9 +82,19 @@ def _sass(text, file, arch, defines, nvdisasm, folder):
     source, cubin = os.path.join(folder, file), os.path.join(folder, "kernel.cubin")
     with open(source, "w") as f:
         f.write(text)
-    subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin, source]
-                   + [f"-D{k}={v}" for k, v in defines.items()], check=True, capture_output=True)
-    return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    _run(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin, source]
+         + [f"-D{k}={v}" for k, v in defines.items()])
+    return _run([nvdisasm, "-c", cubin])
+
+
+def _run(command, stdin=None, text=True):
+    """stdout of ``command`` (bytes unless text); where it fails, its stderr and exit status 2."""
+    done = subprocess.run(command, input=stdin, capture_output=True)
+    if done.returncode:
+        print(f"{' '.join(command[:3])} …: exit {done.returncode}", done.stderr.decode(errors="replace"),
+              file=sys.stderr)
+        sys.exit(2)
+    return done.stdout.decode() if text else done.stdout
 
 
 def main():
@@ -104,11 +114,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp, "base")
         base.mkdir()
-        root, prefix = (subprocess.run(["git", "-C", str(here), "rev-parse", option], capture_output=True, text=True,
-                                       check=True).stdout.strip() for option in ("--show-toplevel", "--show-prefix"))
-        archive = subprocess.run(["git", "-C", root, "archive", f"{args.revision}:{prefix}"], capture_output=True,
-                                 check=True)
-        subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
+        root, prefix = (_run(["git", "-C", str(here), "rev-parse", option]).strip()
+                        for option in ("--show-toplevel", "--show-prefix"))
+        archive = _run(["git", "-C", root, "archive", f"{args.revision}:{prefix}"], text=False)
+        _run(["tar", "-x", "-C", str(base)], stdin=archive, text=False)
         trees = {"old": _sources(base, files), "new": _sources(here, files)}
 
         def compare(i):

@@ -70,6 +70,21 @@ def test_sass_same_counts_the_lines_that_differ_and_builds_only_known_defines():
         source = kernels.kernel_source(file)
         assert all(f"#ifndef {define}" in source for define in defines), name
         assert arch in ("sm_80", "sm_90", "sm_90a"), name
+    lean = {name: defines for name, _, _, defines in sass_same.BUILDS if name.startswith("lean")}
+    assert lean["lean fp16"] == _LEAN_BUILDS[0] and lean["lean tf32"] == _LEAN_BUILDS[1]  # the timed builds
+
+
+def test_sass_same_reads_the_sources_of_the_folder_it_is_given(tmp_path):
+    # The other revision's kernels_cu/ (unpacked to a folder) against this checkout's: an edit in a
+    # header must reach the compared source, or every build would compare this tree with itself.
+    sass_same = _script("sass_same")
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "kernels_cu", tmp_path / "kernels_cu")
+    common = tmp_path / "kernels_cu" / "attention_common.cuh"
+    common.write_text(common.read_text() + "\n// edited\n")
+    edited, = sass_same._sources(tmp_path / "kernels_cu", ["attention_bwd.cu"]).values()
+    here, = sass_same._sources(root / "kernels_cu", ["attention_bwd.cu"]).values()
+    assert "// edited" in edited and "// edited" not in here
 
 
 def test_wgmma_probe_strides_are_the_ones_the_h200_confirmed():
