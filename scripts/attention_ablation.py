@@ -48,6 +48,18 @@ DKDV = [(BWD, "        if (do_run.ratio != 1.f) scale_all<PER_WARP>(dv_acc, do_r
         (BWD, "            pin_accumulators<NK>(dv_acc);\n            pin_accumulators<NK>(dk_acc);\n", ""),
         (BWD, "[&] { add_transposed(dv_acc, p_s, do_s); });  // dV += P^T dO", "[] {});"),
         (BWD, "        add_transposed(dk_acc, ds_s, q_s);  // dK += dS^T Q\n", "")]
+
+
+def _never(text, file=BWD):
+    """The edit that puts the statement beginning with ``text`` (after its indent) behind a condition
+    that never holds: it stays compiled, its work goes."""
+    indent = len(text) - len(text.lstrip())
+    return file, text, text[:indent] + "if (n_video < 0) " + text[indent:]
+
+
+RESIDENT_DQ_STORES = [_never("store_dq<NT_HD>(hs.dq + col0,"), _never("            store_dq<NT_HD>(hs.dq, hs.dq_t,")]
+RESIDENT_O_STORE = _never("            store_o<NT_HD>(hs.o")
+LEAN_O_STORE = _never("\n        store_o<NT_HD>(hs.o,")
 # name: [(file, text, replacement)]; each text occurs once in the kernel sources (tests/test_scripts.py).
 # The resident kernel has a wgmma path (sm_90: the one timed on the H200) and an mma.sync path: an edit
 # of one path's line needs its twin in the other (Session 15's first dq tree missed the wgmma one).
@@ -55,18 +67,15 @@ ABLATIONS = {
     "loads": [(COMMON, "src + (long long)(row0 + row(j)) * ld_src + col()",
                "src + (long long)row(j) * ld_src + col()")],
     "exp": [(COMMON, "sum += (p[n][i] = exp2f(p[n][i] - base));", "sum += (p[n][i] = p[n][i] - base);")],
-    "stores": [(BWD, "store_dq<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_dq<NT_HD>(hs.dq + col0,"),
-               (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t,", "            if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,"),
-               (BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o")],
-    "dq": [(BWD, "store_dq<NT_HD>(hs.dq + col0,", "if (n_video < 0) store_dq<NT_HD>(hs.dq + col0,"),
-           (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t,", "            if (n_video < 0) store_dq<NT_HD>(hs.dq, hs.dq_t,")],
+    "stores": RESIDENT_DQ_STORES + [RESIDENT_O_STORE],
+    "dq": RESIDENT_DQ_STORES,
     "stores_l2": [(COMMON, "<float2*>(dst + (long long)row * ld + col)",
                    "<float2*>(dst + (long long)(row & 15) * ld + col)"),
                   (BWD, "o_t* dst = o + (long long)row * ld + n * 8", "o_t* dst = o + (long long)(row & 15) * ld + n * 8"),
                   (COMMON, "dst[(long long)col * ld + row] = x0;", "dst[(long long)col * ld + (row & 15)] = x0;"),
                   (COMMON, "dst[(long long)(col + 1) * ld + row] = x1;",
                    "dst[(long long)(col + 1) * ld + (row & 15)] = x1;")],
-    "o_late": [(BWD, "            store_o<NT_HD>(hs.o", "            if (n_video < 0) store_o<NT_HD>(hs.o"),
+    "o_late": [RESIDENT_O_STORE,
                (BWD, "            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);",
                 "            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
@@ -79,10 +88,8 @@ ABLATIONS = {
     "lean_ds_max": [(BWD, "        publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below\n", ""),
                     (BWD, "        __syncthreads();  // red[0]: the tile's largest |dP|\n", ""),
                     (BWD, "ds_run.update(ds_observed_scale(red[0], scale));", "ds_run.update(1.f);")],
-    "lean_stores": [(BWD, "\n        store_o<NT_HD>(hs.o,", "\n        if (n_video < 0) store_o<NT_HD>(hs.o,"),
-                    (BWD, "\n        store_dq<NT_HD>(hs.dq,", "\n        if (n_video < 0) store_dq<NT_HD>(hs.dq,")],
-    "lean_o": [(BWD, "        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv\n", ""),
-               (BWD, "\n        store_o<NT_HD>(hs.o,", "\n        if (n_video < 0) store_o<NT_HD>(hs.o,")],
+    "lean_stores": [LEAN_O_STORE, _never("\n        store_dq<NT_HD>(hs.dq,")],
+    "lean_o": [(BWD, "        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv\n", ""), LEAN_O_STORE],
 }
 SHAPES = {"resident": (("4x512x77", "tf32"), ("2x1024x77", "tf32")),  # O^T in fp32
           "lean": (("64x128x77", "fp16"), ("2x4096x77", "fp16"), ("64x128x77", "tf32"))}
