@@ -135,8 +135,8 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
     for file, text in ablation.edit(name, lambda file: (root / file).read_text()).items():
         (tmp_path / name / file).parent.mkdir(exist_ok=True)
         (tmp_path / name / file).write_text(text)
-    builds = _TIMED_BUILDS if not name.startswith("lean_") else _LEAN_BUILDS[:1] if name == "lean_bq" else _LEAN_BUILDS
-    for defines in builds:
+    timed = _TIMED_BUILDS if not name.startswith("lean_") else _LEAN_BUILDS[:1] if name == "lean_bq" else _LEAN_BUILDS
+    for defines in timed:
         base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
         changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
         assert changed, f"the {name} tree leaves the build {defines} as it is"
