@@ -7,13 +7,15 @@ trans pair, a grouped one takes one a group. cuBLAS's documentation of the group
 and betas in host memory only (CUBLAS_STATUS_NOT_SUPPORTED in device pointer mode, the plan's
 mode for the fp16 scales: fine here, the alpha is a constant), and with fp16 A and B only an fp16
 C (so not the weight gradients' fp32 outputs). Prints whether the grouped call matches the two
-calls and replays in a CUDA graph, and the GPU times.
+calls, whether its graph replay matches its eager run, and the GPU times of the three as graph
+replays (the plan replays a graph).
 
 Usage (GPU): PYTHONPATH=. python3 scripts/grouped_probe.py [M ...]      (default 512 1024 2048 8192)
 Times: CUDA events around 10 queued calls behind a spin kernel, median of 20 (gemm_probe.py's
 median_us); L2 not flushed.
 """
 import ctypes
+import math
 import sys
 
 import cupy
@@ -57,8 +59,13 @@ class Pair:
         self.dev_alpha = cupy.array([alpha], numpy.float32)
         self.zero = cupy.zeros(1, numpy.float32)
         self.tables = [(pointers(a_i), pointers(b_i), pointers(c_i)) for a_i, b_i, c_i in zip(a, b, c)]
-        self.grouped_tables = pointers(*a), pointers(*b), pointers(*c)
-        self.host_scalars = (ctypes.c_float * 2)(alpha, alpha), (ctypes.c_float * 2)(0.0, 0.0)
+        a, b, c = (pointers(*x) for x in (a, b, c))
+        two = lambda x: ints([x, x])  # noqa: E731
+        # The grouped call's arguments, made once (its scalars and per-group arrays are host memory).
+        self._host = (ints([t[0] for t in trans]), ints([t[1] for t in trans]), two(m), two(n), two(k),
+                      (ctypes.c_float * 2)(alpha, alpha), two(ld), two(ld), (ctypes.c_float * 2)(0.0, 0.0),
+                      two(ld), ints([1, 1]))
+        self._tables = a, b, c
 
     def one(self, handle, i):
         a, b, c = self.tables[i]
@@ -69,16 +76,15 @@ class Pair:
     def grouped(self, fn, handle):
         """cuBLAS status of one grouped call (two groups of one product) on ``handle``'s stream."""
         lib, h = handle._lib, handle._handle
-        lib.cublasSetPointerMode_v2(h, POINTER_MODE_HOST)  # the grouped call's scalars are host arrays
-        alpha, beta = (ctypes.cast(x, ctypes.c_void_p) for x in self.host_scalars)
-        a, b, c = self.grouped_tables
-        two = lambda x: ints([x, x])  # noqa: E731
-        status = fn(h, ints([t[0] for t in self.trans]), ints([t[1] for t in self.trans]), two(self.m),
-                    two(self.n), two(self.k), alpha, ctypes.c_void_p(a.data.ptr), gemm.R_16F, two(self.ld),
-                    ctypes.c_void_p(b.data.ptr), gemm.R_16F, two(self.ld), beta, ctypes.c_void_p(c.data.ptr),
-                    gemm.R_16F, two(self.ld), 2, ints([1, 1]), gemm.COMPUTE_32F)
-        lib.cublasSetPointerMode_v2(h, _cublas.POINTER_MODE_DEVICE)
-        return status
+        ta, tb, m, n, k, alpha, lda, ldb, beta, ldc, sizes = self._host
+        a, b, c = self._tables
+        _cublas._check(lib.cublasSetPointerMode_v2(h, POINTER_MODE_HOST), "cublasSetPointerMode")
+        try:  # the grouped call's scalars are host arrays
+            return fn(h, ta, tb, m, n, k, ctypes.cast(alpha, ctypes.c_void_p), ctypes.c_void_p(a.data.ptr),
+                      gemm.R_16F, lda, ctypes.c_void_p(b.data.ptr), gemm.R_16F, ldb, ctypes.cast(beta, ctypes.c_void_p),
+                      ctypes.c_void_p(c.data.ptr), gemm.R_16F, ldc, 2, sizes, gemm.COMPUTE_32F)
+        finally:
+            _cublas._check(lib.cublasSetPointerMode_v2(h, _cublas.POINTER_MODE_DEVICE), "cublasSetPointerMode")
 
 
 def q0_dout(m):
@@ -90,6 +96,24 @@ def q0_dout(m):
                 [cupy.empty((m, D), numpy.float16) for _ in range(2)], 2.0 ** -10)
 
 
+def captured(stream, issue):
+    """A CUDA graph of what ``issue`` launches on ``stream`` (and the streams it forks)."""
+    issue()  # cuBLAS loads its kernels outside the capture
+    cupy.cuda.Device().synchronize()
+    stream.begin_capture()
+    try:
+        issue()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
+def largest_difference(outputs, references):
+    """max |x − y| over the pairs; NaN where an output holds a NaN (left unwritten: poisoned)."""
+    return max(float(cupy.abs(x.astype(numpy.float32) - y.astype(numpy.float32)).max())
+               if bool(cupy.isfinite(x).all()) else math.nan for x, y in zip(outputs, references))
+
+
 def main():
     fn = grouped_function()
     if fn is None:
@@ -97,45 +121,48 @@ def main():
         return
     s0, s1 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     h0, h1 = _cublas.Handle(s0), _cublas.Handle(s1)
-    print("Q0 | dO, fp16:  M   one stream  two streams   grouped   max|grouped − two calls|  in a graph")
+    forked, joined = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+    widths = (6, 12, 12, 12, 12, 12, 0)
+    header = ("M", "one stream", "two streams", "grouped", "vs two calls", "replay diff", "  (graph replays, µs)")
+    print("Q0 | dO, fp16: " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
     for m in [int(v) for v in sys.argv[1:]] or [512, 1024, 2048, 8192]:
         pair = q0_dout(m)
+        cupy.cuda.Device().synchronize()  # the operands and tables, made on the default stream, are written
         with s0:
             pair.one(h0, 0)
             pair.one(h0, 1)
-            separate = [c.astype(numpy.float32) for c in pair.c]
+            separate = [c.copy() for c in pair.c]
             for c in pair.c:
                 c.fill(numpy.nan)
             status = pair.grouped(fn, h0)
-            diff = max(float(cupy.abs(c.astype(numpy.float32) - r).max()) for c, r in zip(pair.c, separate))
-            graph = "-"
-            if status == 0:
-                try:
-                    s0.begin_capture()
-                    pair.grouped(fn, h0)
-                    g = s0.end_capture()
-                    for c in pair.c:
-                        c.fill(numpy.nan)
-                    g.launch(s0)
-                    s0.synchronize()
-                    same = all(bool((c.astype(numpy.float32) == r).all()) for c, r in zip(pair.c, separate))
-                    graph = "replays, same" if same else "replays, DIFFERS"
-                except Exception as exc:  # noqa: BLE001 - a probe reports what failed
-                    graph = f"fails: {exc}"
+            diff = largest_difference(pair.c, separate) if status == 0 else math.nan
+            eager, replay_diff = [c.copy() for c in pair.c], math.nan
 
             def one_stream():
                 pair.one(h0, 0)
                 pair.one(h0, 1)
 
             def two_streams():
-                s1.wait_event(s0.record())
+                forked.record(s0)
+                s1.wait_event(forked)
                 pair.one(h0, 0)
                 pair.one(h1, 1)
-                s0.wait_event(s1.record())
+                joined.record(s1)
+                s0.wait_event(joined)
 
-            times = [median_us(one_stream), median_us(two_streams)]
-            grouped = f"{median_us(lambda: pair.grouped(fn, h0)):8.1f} µs" if status == 0 else f"status {status}"
-        print(f"{m:18d}  " + "  ".join(f"{t:8.1f} µs" for t in times) + f"  {grouped:>11}  {diff:12.3g}  {graph}")
+            statuses = []
+            graphs = [captured(s0, one_stream), captured(s0, two_streams)]
+            if status == 0:  # the two graphs above rewrote the outputs: the grouped call's are in eager
+                graphs.append(captured(s0, lambda: statuses.append(pair.grouped(fn, h0))))
+                for c in pair.c:
+                    c.fill(numpy.nan)
+                graphs[-1].launch(s0)
+                replay_diff = largest_difference(pair.c, eager)
+            times = [median_us(lambda g=g: g.launch(s0)) for g in graphs]
+        cells = [f"{t:9.1f} µs" for t in times] + [f"status {status}"] * (status != 0)
+        if any(statuses):
+            cells[-1] += f" (statuses, eager then captured: {statuses})"
+        print(f"{'':15}{m:>6} " + " ".join(f"{c:>12}" for c in cells) + f" {diff:12.3g} {replay_diff:12.3g}")
 
 
 if __name__ == "__main__":
