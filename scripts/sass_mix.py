@@ -57,6 +57,25 @@ def loop_mix(sass, kernel):
     return len(instructions), mix
 
 
+def nvcc_sass(text, file, arch, defines, nvdisasm, folder):
+    """The ``nvdisasm -c`` listing of ``text`` (the kernels_cu/ file ``file`` with its headers inlined:
+    kernels.kernel_source) compiled by ``nvcc -cubin -ftz=true`` for ``arch`` with ``-D`` ``defines``
+    ({name: value}), its files written to ``folder``. RuntimeError, with the tool's output, if one fails."""
+    source, cubin = os.path.join(folder, file), os.path.join(folder, "kernel.cubin")
+    with open(source, "w") as f:
+        f.write(text)
+    _tool(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin, source]
+          + [f"-D{k}={v}" for k, v in defines.items()])
+    return _tool([nvdisasm, "-c", cubin])
+
+
+def _tool(command):
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command[:3])} …: exit {done.returncode}\n{done.stderr}")
+    return done.stdout
+
+
 def main():
     from cupy_xattn import kernels
 
@@ -72,17 +91,14 @@ def main():
         parser.error("no nvdisasm: give --nvdisasm or $NVDISASM (see the docstring for the wheel)")
     defines = dict(d.split("=", 1) for d in args.defines)
     with tempfile.TemporaryDirectory() as folder:
-        cubin = os.path.join(folder, "kernel.cubin")
         if args.nvcc:
-            source = os.path.join(folder, args.source)
-            with open(source, "w") as f:
-                f.write(kernels.kernel_source(args.source))
-            subprocess.run(["nvcc", "-cubin", f"-arch={args.arch}", "-std=c++17", "-ftz=true", "-o", cubin, source]
-                           + [f"-D{d}" for d in args.defines], check=True)
+            sass = nvcc_sass(kernels.kernel_source(args.source), args.source, args.arch, defines, args.nvdisasm,
+                             folder)
         else:
+            cubin = os.path.join(folder, "kernel.cubin")
             with open(cubin, "wb") as f:
                 f.write(kernels.compile_cubin(args.source, args.arch, {k: int(v) for k, v in defines.items()}))
-        sass = subprocess.run([args.nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+            sass = _tool([args.nvdisasm, "-c", cubin])
     total, mix = loop_mix(sass, args.kernel)
     print(f"{args.kernel} ({args.arch}, {defines}): {total} instructions; longest loop {sum(mix.values())}")
     for opcode, count in mix.most_common():

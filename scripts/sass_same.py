@@ -4,9 +4,9 @@ same needs no new device timing (perf-notes, Session 32).
 
 Usage:  PYTHONPATH=. python3 scripts/sass_same.py b42e9be [--nvdisasm PATH] [--jobs N]
 
-Each build is compiled as ``nvcc -cubin -ftz=true`` (CuPy's -ftz; sass_mix.py --nvcc) from the
-sources with their headers inlined (kernels.kernel_source) and disassembled by nvdisasm (the CUDA
-toolkit's, or the ``nvidia-cuda-nvdisasm`` wheel's: see sass_mix.py). Prints one line a build:
+Each build is compiled as ``nvcc -cubin -ftz=true`` (CuPy's -ftz) from the sources with their
+headers inlined (kernels.kernel_source) and disassembled by nvdisasm (the CUDA toolkit's, or the
+``nvidia-cuda-nvdisasm`` wheel's): sass_mix.nvcc_sass, as ``sass_mix.py --nvcc``. Prints one line a build:
 "same", or how many lines of SASS differ (``diff`` of the two listings). Exit status 1 if any differ, 2 if a build or the revision fails.
 """
 import argparse
@@ -17,6 +17,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sass_mix  # noqa: E402  (nvcc_sass)
 
 # Builds of the kinds the library plans (attention_bwd.AttentionBackward's defines: the resident ones
 # at the benchmark's 77 text tokens, the streamed ones in both tile widths and with key parts) and
@@ -78,13 +81,13 @@ def _sources(source_dir, files):
 
 
 def _sass(text, file, arch, defines, nvdisasm, folder):
+    """sass_mix.nvcc_sass in a folder of its own; a failing tool's output printed, exit status 2."""
     os.makedirs(folder)
-    source, cubin = os.path.join(folder, file), os.path.join(folder, "kernel.cubin")
-    with open(source, "w") as f:
-        f.write(text)
-    _run(["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-o", cubin, source]
-         + [f"-D{k}={v}" for k, v in defines.items()])
-    return _run([nvdisasm, "-c", cubin])
+    try:
+        return sass_mix.nvcc_sass(text, file, arch, defines, nvdisasm, folder)
+    except RuntimeError as failed:
+        print(failed, file=sys.stderr)
+        sys.exit(2)
 
 
 def _run(command, stdin=None, text=True):
