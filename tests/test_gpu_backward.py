@@ -190,8 +190,9 @@ def test_the_lean_kernels_ds_scale_follows_query_tiles_far_larger_or_smaller_tha
     # attn_bwd_lean stores each query tile's dS at a scale from |dP|, and dK^T sums the tiles of a
     # block at the latest one (ds_run): every other 64-row tile of dY here is 2 (2^6, 2^-12) times the
     # rest, so the scale moves up and down from tile to tile within a block (1x4096x77: blocks of
-    # four tiles, pinned below; tf32's lean_tf32 takes the same blocks). At 2 a tile can be stored at
-    # the last tile's scale with |dS · s| just under 2^15 (on branch s32-ds-late). dX's rows depend on
+    # four tiles, pinned below; tf32's lean_tf32 takes the same blocks). At 2, a design that stores a
+    # tile at the last tile's scale (Session 32's ds-late, perf-notes) would be at |dS · s| just under
+    # 2^15. dX's rows depend on
     # their own tile's dS only, so each half of them is checked against its own size: a tile's dS
     # stored at a wrong scale shows there even where it is 2^-12 of the whole output.
     import cupy
