@@ -374,7 +374,7 @@ class AttentionBackward:
 
         Parameters
         ----------
-        q0 : (B·Nv, D) float32, X Wq^T without the bias (with qdo_half float16, see qdo_scales).
+        q0 : (B·Nv, D) float32, X Wq^T without the bias (with qdo_half float16 and with it, see qdo_scales).
         kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases (with kv_half float16, times s_KV).
         bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
         dout : (B·Nv, D) float32, dO = dY Wo (with qdo_half float16).
@@ -401,17 +401,18 @@ class AttentionBackward:
             as O^T; its columns from B·Nv on are not written) and of dQ's column sums, float32
             (dq_sums_rows(B, Nv), D): row b·⌈Nv/16⌉ + k holds the sums of rows [16k, 16k + 16) of
             sample b (rows past Nv count as 0).
-        qdo_scales : with qdo_half (and only then), device addresses of inv_x, inv_wq and inv_wo (float32
-            scalars), the inverse scales of the fp16 copies that ``q0`` and ``dout`` were computed from:
-            then q0 is float16 (X Wq^T) · s_X · s_Wq · kv_half_alpha(D) and dout float16
-            dO · s_dY · s_Wo · kv_half_alpha(D) (inv_dy is ``o_scales``').
+        qdo_scales : with qdo_half (and only then), device addresses of s_Q and inv_wo (float32 scalars):
+            q0 is float16 (X Wq^T + bq) · s_Q (its GEMM adds bq: half_scaling.cu's write_product_bias,
+            every element under 2^15), dout float16 dO · s_dY · s_Wo · kv_half_alpha(D), where 1 / s_Wo
+            is inv_wo, the inverse scale of the fp16 copy of Wo that dout was computed from (inv_dy is
+            ``o_scales``').
         """
         p = self.problem
         if (q0.dtype == numpy.float16) != self.qdo_half or dout.dtype != q0.dtype:
             raise ValueError(f"q0 and dout are float16 with qdo_half, else float32: got {q0.dtype}, {dout.dtype} "
                              f"with qdo_half={self.qdo_half}")
-        if (qdo_scales is None) == self.qdo_half or (qdo_scales is not None and len(qdo_scales) != 3):
-            raise ValueError("qdo_scales (inv_x, inv_wq, inv_wo) go with qdo_half, and only with it")
+        if (qdo_scales is None) == self.qdo_half or (qdo_scales is not None and len(qdo_scales) != 2):
+            raise ValueError("qdo_scales (s_q, inv_wo) go with qdo_half, and only with it")
         if (kv0.dtype == numpy.float16) != self.kv_half:
             raise ValueError(f"kv0 is float16 with kv_half, else float32: got {kv0.dtype} with kv_half={self.kv_half}")
         if (kv_scale is None) == (self.kv_half and not self.o_half):
@@ -440,7 +441,7 @@ class AttentionBackward:
             + tuple(numpy.uint64(a) for a in (o_scales or (0,) * len(O_SCALES)))
             + (numpy.int64(lo_offset // 2), numpy.uint64(kv_scale or 0), numpy.uint64(dq_t or 0),
                numpy.uint64(dq_sums or 0))
-            + tuple(numpy.uint64(a) for a in (qdo_scales or ((0, 0, 0) if self.lean else ()))),
+            + tuple(numpy.uint64(a) for a in (qdo_scales or ((0, 0) if self.lean else ()))),
             shared_mem=self._smem_bytes)
         if self._reduce is not None:
             for parts, total, n4, grid in zip((self._dkv_part, self._dq_part), (dkv, dq), self._n4, self._reduce_grids):

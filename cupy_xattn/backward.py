@@ -6,7 +6,8 @@ With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by si
     attention kernel → O, dQ, dKV = [dK | dV]                  (bq added inside, bv to O; bk and bv
                                  cancel elsewhere; fp16 mode, where attention_bwd.half_kv says: [K0 | V0]
                                  written as fp16 by its GEMM, ATTN_KV_HALF; and where half_qdo says,
-                                 Q0 and dO too, ATTN_QDO_HALF: attn_bwd_lean)
+                                 Q0 and dO too, ATTN_QDO_HALF: attn_bwd_lean, Q0's GEMM then adding bq
+                                 by cuBLASLt's bias epilogue)
     dWo = dY^T O    dX = dQ Wq    dWq = dQ^T X    dT = [dK | dV] [Wk; Wv]    [dWk | dWv] = [dK | dV]^T T
     dbo, dbq, [dbk | dbv] = column sums of dY, dQ, [dK | dV]          (fp32 GEMMs with a ones row,
                                                  mostly over partial sums that other kernels write)
@@ -257,7 +258,8 @@ class Backward:
                                             kv_half=kv_half, dq_transposed=_dq_transposed(problem, precision, sm_count),
                                             qdo_half=qdo_half)
         self._dq_t = None, None  # dQ^T and dQ's column sums where the attention writes them (_record_tf32)
-        self._qdo_scales = None  # qdo_half: inv_x, inv_wq, inv_wo (see _record)
+        self._qdo_scales = None  # qdo_half: the addresses of s_Q and inv_wo (see _record)
+        self._q_bias = None  # qdo_half: bq's fp16 copy at Q0's scale and [alpha, s_Q], for Q0's GEMM (see _record)
         qdo_type = numpy.float16 if qdo_half else numpy.float32  # Q0, dO (qdo_half: fp16, from their GEMMs)
         self._q0, self._dout = cupy.empty((mv, d), qdo_type), cupy.empty((mv, d), qdo_type)
         kv0_dtype, kv0_copy = _kv0_buffers(precision, kv_half)
@@ -389,7 +391,12 @@ class Backward:
         stage_b = [summed(self._dq, self._attention.dq_partials, DQ, _DQ),
                    summed(self._dkv, self._attention.partials, DK, _DKV)]
         shapes_a, shapes_b = _conversion_shapes(mv, mt, d)
-        (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a)
+        qdo_half = self._q0.dtype == numpy.float16
+        # There Q0's GEMM adds bq (cuBLASLt's bias epilogue), at the alpha and scale that the first
+        # group's rescale writes with bq's fp16 copy: [alpha, s_Q] (half_scaling.cu's write_product_bias).
+        q_bias, q_out = (cupy.empty(d, numpy.float16), cupy.empty(2, numpy.float32)) if qdo_half else (None, None)
+        product_bias = ("query_bias", (d, _X, _WQ, kv_half_alpha(d), addr(q_bias), addr(q_out))) if qdo_half else None
+        (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a, product_bias)
         gemm, alpha = self._gemm, self._scaler.alpha
         half = dict(data_type=_R_16F)
         sms = _sm_shares(self.precision, mv, mt, d, self._sm_count)
@@ -400,10 +407,15 @@ class Backward:
                 return dict(alpha=addr(self._constants, 8), out_type=_R_16F)
             return dict(alpha=alpha(slot_a, slot_b))
 
-        qdo_half = self._q0.dtype == numpy.float16
         self._fork()
-        gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True, sm_target=sms["q0"],
-             **output(self._q0, _X, _WQ), **half)
+        if qdo_half:  # the buffers are the plan's own: no pointer table needed
+            self._q_bias = q_bias, q_out  # kept alive: the steps hold their addresses
+            self._steps.append((f"gemm {mv}x{d}x{d} + bias", self._handles[0].bias_gemm(
+                OP_T, OP_N, d, mv, d, addr(q_out), WQ, d, X, d, addr(self._constants), addr(self._q0), d,
+                addr(q_bias), sm_target=sms["q0"]), 0))
+        else:
+            gemm([X], [WQ], [addr(self._q0)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True,
+                 sm_target=sms["q0"], **output(self._q0, _X, _WQ), **half)
         gemm([T, T], [WK, WV], [addr(self._kv0), addr(self._kv0, self._kv0.itemsize * d)], m=mt, n=d, k=d, lda=d,
              ldb=d, ldc=2 * d, trans_b=True, lane=1, sm_target=sms["kv0"], **output(self._kv0, _T, _WKV), **half)
         gemm([DY], [WO], [addr(self._dout)], m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, lane=2, sm_target=sms["dout"],
@@ -415,7 +427,7 @@ class Backward:
         self._o_half = (numpy.uint64(O), (inv(_T), inv(_WKV), inv(_BV), inv(_DY), inv(_O), addr(self._alpha_o)),
                         None if self._lo_offset is None else O + self._lo_offset)
         if qdo_half:
-            self._qdo_scales = inv(_X), inv(_WQ), inv(_WO)
+            self._qdo_scales = addr(q_out, 4), inv(_WO)
         self._record_attention()
         # dWo = dY^T O reads the attention's fp16 O and the first group's dY: it runs beside the
         # second conversion (the large cases overlap its products with the copy's bandwidth),
@@ -564,16 +576,17 @@ class Backward:
         self._gemm([self._ones.data.ptr] * len(sources), sources, outputs, m=1, n=d, k=rows, lda=rows, ldb=ld, ldc=d,
                    data_type=_R_32F, compute=_COMPUTE_32F, lane=lane)
 
-    def _record_conversions(self, tensors, shapes):
+    def _record_conversions(self, tensors, shapes, product_bias=None):
         """Record the scaled fp16 copies of ``tensors`` [(source entry, dest address, slot[, parts,
         part_stride])] (HalfScaler.group: a source may be a sum of parts) of ``shapes`` [(elements,
-        cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy),
+        cols)] (fp32: and their remainders, at ``_lo_offset`` from each copy), and where
+        ``product_bias`` is (source entry, HalfScaler.group's product_bias), that GEMM's bias,
         with the partial column sums of those given a row length ``cols``: [(address, rows)] of
         those, in order, where rows counts only the partial rows that can hold data (at most the
         tensor's rows: the rest are zeros, and the ones row that adds them up is only
         max(B·Nv, B·Nt) long)."""
         cupy = import_cupy()
-        first = self._table.add(*(source for source, *_ in tensors))
+        first = self._table.add(*(source for source, *_ in tensors), *product_bias[:1] if product_bias else ())
         lo = self._lo_offset
         sums = [cupy.empty(shape, numpy.float32) for shape in _column_sum_shapes(shapes, self._sm_count)]
         self._column_sums += sums
@@ -581,7 +594,8 @@ class Backward:
         copy, rescale = self._scaler.group(self._table.address(first),
                                            [(size, dest, slot, 0 if lo is None else dest + lo,
                                              next(addresses) if cols else 0, cols, *parts)
-                                            for (size, cols), (_, dest, slot, *parts) in zip(shapes, tensors)])
+                                            for (size, cols), (_, dest, slot, *parts) in zip(shapes, tensors)],
+                                           product_bias[1] if product_bias else None)
         self._steps += [(f"to fp16 x{len(tensors)}", copy, 0), (f"fp16 rescale x{len(tensors)}", rescale, 0)]
         summed_rows = [size // cols for size, cols in shapes if cols]
         return [(s.data.ptr, min(s.shape[0], rows)) for s, rows in zip(sums, summed_rows)]

@@ -70,12 +70,13 @@ class HalfScaler:
         self._rescale = kernels.get_kernel(SOURCE, "half_rescale")
         self._groups = []  # keeps each group's metadata alive
 
-    def group(self, sources_address, tensors):
+    def group(self, sources_address, tensors, product_bias=None):
         """Launchers ``(copy, rescale)`` for several tensors at once.
 
         Parameters
         ----------
-        sources_address : device address of consecutive addresses of the fp32 sources.
+        sources_address : device address of consecutive addresses of the fp32 sources (and, with
+            ``product_bias``, of that bias after them).
         tensors : list of ``(size, dest, slot, lo, sums, cols[, parts, part_stride])``: element
             count, device address of the fp16 copy, scale slot (tensors sharing a slot share one
             scale), device address of the fp16 remainders (the fp32 mode's lo parts; 0: none), and
@@ -83,6 +84,12 @@ class HalfScaler:
             none): float32 [column_sum_rows(...)][cols], whose sum over rows is the column sums;
             the tensor is the sum of ``parts`` (default 1) slices of the source ``part_stride``
             elements apart, added in order.
+        product_bias : ``(length, slot_a, slot_b, alpha, bias, out)`` or None: the rescale also
+            writes the bias of an fp16 GEMM alpha · (a·s_a)(b·s_b) (alpha a power of two that keeps
+            its sums under 2^14) at the scale of its output (half_scaling.cu's write_product_bias):
+            from the fp32 vector of ``length`` (a positive even count) at the source address after
+            the tensors', fp16 ``bias`` [length] and float32 ``out`` [2], the GEMM's alpha and the
+            scale of its output (device addresses).
         """
         if any(len(t) not in (6, 8) for t in tensors):
             raise ValueError("a tensor is (size, dest, slot, lo, sums, cols) or that and (parts, part_stride)")
@@ -97,10 +104,19 @@ class HalfScaler:
             raise ValueError(f"a group holds at most {_THREADS} tensors (half_rescale), got {n}")
         if any(not 0 <= t[2] < self.n_slots for t in tensors):
             raise ValueError(f"slots run from 0 to {self.n_slots - 1}")
+        if product_bias is not None:
+            length, slot_a, slot_b, alpha, bias, out = product_bias
+            if length <= 0 or length % 2 or not (0 <= slot_a < self.n_slots and 0 <= slot_b < self.n_slots):
+                raise ValueError("a product bias has a positive even length and two of the scaler's slots")
+            if not (alpha > 0 and math.frexp(alpha)[0] == 0.5):
+                raise ValueError(f"a product bias's alpha is a power of two, got {alpha}")
+            trailer = [length, slot_a, slot_b, int(numpy.float32(alpha).view(numpy.int32)), bias, out]
+        else:
+            trailer = [0] * 6
         size, dest, slot, lo, sums, cols, parts, stride = zip(*tensors)
         cupy = import_cupy()
         meta = cupy.array([s // 4 for s in size] + list(dest) + list(slot) + list(lo) + list(sums) + list(parts)
-                          + [s // 4 for s in stride], numpy.int64)
+                          + [s // 4 for s in stride] + trailer, numpy.int64)
         self._groups.append(meta)
         blocks = _blocks(size, [c for address, c in zip(sums, cols) if address], self._sm_count)
         args = (numpy.uint64(sources_address), meta, numpy.int32(n), self._state, numpy.int32(self.n_slots))

@@ -773,12 +773,13 @@ typedef float qdo_t;
 // operands of O = P V and dQ = dS K, and go to shared memory once for dV^T += dO^T P and
 // dK^T += Q^T dS, the four chains in flight together. The next query tile's Q and dO are copied
 // by cp.async while this one is used: with ATTN_QDO_HALF (the fp16 mode), as fp16 from their
-// GEMMs (whose alpha is [K0 | V0]'s: product_half_scale) straight into the operand tiles, bq then
-// added by each thread to the pieces it copied; otherwise as fp32 into a staging, from which
-// load_tiles stores them at per-tile scales (with bq), as attn_bwd_resident does from global
-// memory. dS's scale comes from the block's largest |dP| (ds_observed_scale, as the streamed
-// kernel's). Same arguments as attn_bwd_resident, and 1 / s_X, 1 / s_Wq and 1 / s_Wo after them
-// (the copies' inverse scales; ATTN_QDO_HALF only, else null).
+// GEMMs straight into the operand tiles (Q = Q0 + bq: its GEMM adds bq, at the scale *q_scale that
+// the first conversion's rescale writes, half_scaling.cu's write_product_bias; dO at [K0 | V0]'s
+// alpha: product_half_scale); otherwise as fp32 into a staging, from which load_tiles stores them
+// at per-tile scales (with bq), as attn_bwd_resident does from global memory. dS's scale comes
+// from the block's largest |dP| (ds_observed_scale, as the streamed kernel's). Same arguments as
+// attn_bwd_resident, and s_Q and 1 / s_Wo (the copy's inverse scale) after them (ATTN_QDO_HALF
+// only, else null).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 2)
 attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const float* const* __restrict__ biases,
               const qdo_t* __restrict__ dout, o_t* __restrict__ o, float* __restrict__ dq,
@@ -787,7 +788,7 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
               const float* __restrict__ inv_w, const float* __restrict__ inv_bv, const float* __restrict__ inv_dy,
               float* __restrict__ inv_o, float* __restrict__ alpha_o, long long o_lo_offset,
               const float* __restrict__ inv_kv, float* __restrict__ dq_t, float* __restrict__ dq_sums,
-              const float* __restrict__ inv_x, const float* __restrict__ inv_wq, const float* __restrict__ inv_wo) {
+              const float* __restrict__ q_scale, const float* __restrict__ inv_wo) {
     wait_for_inputs();
     constexpr int NK = ATTN_KEYS, NT_K = NK / 8, NT_HD = ATTN_HEAD_DIM / 8, TILE = ATTN_BLOCK_Q * LD_HD;
     constexpr int Q_BUFFERS = 1 + ATTN_QDO_HALF;  // fp16 inputs: this tile's and the next
@@ -816,24 +817,7 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
 #if ATTN_QDO_HALF
     copy_half_tile<ATTN_BLOCK_Q>(q_tiles, hs.q, hidden, first * ATTN_BLOCK_Q, n_video);
     copy_half_tile<ATTN_BLOCK_Q>(do_tiles, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
-    const float s_q0 = product_half_scale(hidden, inv_x, inv_wq), s_do = product_half_scale(hidden, inv_dy, inv_wo);
-    // bq · s_q0 at the 8 columns of every piece this thread copies (for_each_half_piece: one column a
-    // thread), and the head's largest |bq · s_q0| (each warp's lanes hold all its columns). The bound
-    // behind s_q0 leaves bq out: |Q0 · s_q0| < 2^14, so |(Q0 + bq) · s_q0| < 2^14 + that, which can
-    // pass fp16's 65504 where |bq| is large against X Wq^T. The tile is then stored times 2^-k, with
-    // k the least that keeps it under 2^15 (0 on benchmark-like inputs), at the scale s_q.
-    static_assert(ATTN_THREADS % (ATTN_HEAD_DIM / 8) == 0 && 32 % (ATTN_HEAD_DIM / 8) == 0,
-                  "a thread's pieces share their columns; a warp's cover the head");
-    float bq_s[8], bq_max = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        bq_s[j] = biases[0][col + threadIdx.x % (ATTN_HEAD_DIM / 8) * 8 + j] * s_q0;
-        bq_max = fmaxf(bq_max, finite_abs(bq_s[j]));
-    }
-#pragma unroll
-    for (int m = 16; m; m >>= 1) bq_max = fmaxf(bq_max, __shfl_xor_sync(0xffffffffu, bq_max, m));
-    const int e_q = max(exponent_of(s_q0) - max(exponent_of(16384.f + bq_max) - 14, 0), -126);
-    const float s_q = pow2(e_q), q_shift = pow2(e_q - exponent_of(s_q0));
+    const float s_q = *q_scale, s_do = product_half_scale(hidden, inv_dy, inv_wo);
 #else
     float* q_stage = staging;
     float* do_stage = staging + ATTN_BLOCK_Q * ATTN_HEAD_DIM;
@@ -856,11 +840,7 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         const int buf = (qt - first) & 1;
         operand_t* q_s = q_tiles + buf * TILE;
         operand_t* do_s = do_tiles + buf * TILE;
-        cp_async_wait_all();  // this thread's copies are in and visible to it: bq into its pieces of Q
-        for_each_half_piece<ATTN_BLOCK_Q>([&](int row, int c) {
-            uint4* piece = reinterpret_cast<uint4*>(q_s + operand_offset(row, c, LD_HD));
-            *piece = add_to_halves(*piece, bq_s, q_shift);
-        });
+        cp_async_wait_all();
         fence_operands();
         __syncthreads();  // this tile's Q and dO (and K, V) are stored; the last tile's products are done
         if (qt + 1 < last) {

@@ -748,17 +748,6 @@ __device__ __forceinline__ void store_fragments(operand_t* m, int ld, int r0, co
     }
 }
 
-// Eight fp16 values (a 16-byte piece) plus b[0..7], times f, rounded to fp16 again.
-__device__ __forceinline__ uint4 add_to_halves(uint4 piece, const float (&b)[8], float f) {
-    unsigned w[4] = {piece.x, piece.y, piece.z, piece.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float lo, hi;
-        unpack_half2(w[i], lo, hi);
-        w[i] = pack_half2((lo + b[2 * i]) * f, (hi + b[2 * i + 1]) * f);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
 #endif
 
 // Multiply a warp's accumulator tile by f.

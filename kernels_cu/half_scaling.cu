@@ -52,7 +52,9 @@
 // scale slot; tensors may share one), then lo[i] (the remainder's address, 0 for none), then
 // sums[i] (below; 0 for none), then parts[i] and part4[i]: x is the sum of parts[i] ≥ 1 slices of
 // the source part4[i] float4s apart, added in slice order (the attention's dK/dV partials of its
-// query chunks and dQ's of its key parts, summed here instead of by a pass of their own).
+// query chunks and dQ's of its key parts, summed here instead of by a pass of their own), then the
+// six entries of a GEMM's bias that the rescale writes (write_product_bias; its fp32 source is
+// sources[n]).
 //
 // Column sums (the bias gradients of dY, dQ, [dK | dV]), in the copy's pass over x: with x a
 // row-major [rows][4·cols4] matrix and gridDim.x·HALF_THREADS a multiple of cols4 (the launcher
@@ -189,6 +191,41 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
     }
 }
 
+// A GEMM's bias at the scale of the GEMM's fp16 output, from the scales of its operands' copies
+// (HalfScaler.group's product_bias; spec: length (0: none), slot_a, slot_b, alpha's float bits, the
+// fp16 bias's address, out's). The GEMM (cuBLASLt's bias epilogue) writes alpha · (a·s_a)(b·s_b) +
+// bias as fp16, each sum of products of the copies under 2^14 by alpha (the fp16 mode's Q0 = X Wq^T
+// + bq at alpha kv_half_alpha): (a b + bias) · s with s = alpha · s_a · s_b, if bias is bias · s. That
+// can pass 2^14 where |bias| is large against a b, so both are taken times 2^-k, k the least that
+// keeps 2^14 + max|bias · s| under 2^15 (0 on benchmark-like inputs): out = {alpha · 2^-k, s · 2^-k}
+// (the GEMM's alpha and the scale of its output) and bias = half(bias · s · 2^-k). Powers of two in
+// exponents, clamped to fp32's normal range as attn_bwd's product_half_scale. Block 0, every thread.
+__device__ void write_product_bias(const float4* const* source_entry, const long long* spec, const float* inv) {
+    const long long length = spec[0];
+    if (length == 0) return;
+    const float* source = reinterpret_cast<const float*>(*source_entry);
+    const float alpha = __int_as_float(static_cast<int>(spec[3]));
+    const int e_s = min(max(ilogbf(alpha) - ilogbf(inv[spec[1]]) - ilogbf(inv[spec[2]]), -126), 126);
+    float m = 0.f;
+    for (long long i = threadIdx.x; i < length; i += HALF_THREADS) m = fmaxf(m, finite_abs(ldexpf(source[i], e_s)));
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    __shared__ float warp_max[HALF_THREADS / 32];
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    for (int w = 0; w < HALF_THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
+    int e;
+    frexpf(16384.f + m, &e);  // 2^(e − 1) ≤ 2^14 + m < 2^e
+    const int e_out = max(e_s - max(e - 15, 0), -126);
+    unsigned* bias = reinterpret_cast<unsigned*>(spec[4]);  // pairs of fp16
+    for (long long i = threadIdx.x; i < length / 2; i += HALF_THREADS)
+        bias[i] = pack_half2(ldexpf(source[2 * i], e_out), ldexpf(source[2 * i + 1], e_out));
+    if (threadIdx.x == 0) {
+        float* out = reinterpret_cast<float*>(spec[5]);
+        out[0] = ldexpf(alpha, e_out - e_s);
+        out[1] = ldexpf(1.f, e_out);
+    }
+}
+
 // half_rescale runs a block per two SMs (half_scaling.py says why), each taking its share of every
 // tensor whose scale changed: when the guesses stand (every run after the first, unless a tensor's
 // max leaves the window of the run that set its scale) its blocks only check and leave, and block 0
@@ -232,4 +269,5 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     __syncthreads();
     for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) st.alpha[k] = inv[k / n_slots] * inv[k % n_slots];
     if (threadIdx.x < n_slots) st.inv_scale[threadIdx.x] = inv[threadIdx.x];
+    write_product_bias(sources + n, meta + 7 * n, inv);
 }

@@ -19,7 +19,6 @@ attn_bwd_lean, taken out (the results are wrong; only the kernel's time means an
           build: 253 registers; dkdv 186 at two blocks, 167 at three, no spills either way). Only
           grids of whole (batch, head) pairs isolate it (64x128x77): the blocks per SM also set
           the query chunks where the pairs fill less than a wave (8x512x77: 3 chunks of 3 tiles)
-  lean_bq     attn_bwd_lean's fp16 build without bq added into the Q tiles
   lean_ds_max attn_bwd_lean's dS at a constant scale: no block maximum of |dP|, no barrier for it
   lean_stores attn_bwd_lean's dQ and O stores behind a condition that never holds
   lean_o      attn_bwd_lean's O stores and bv's add taken out
@@ -84,7 +83,6 @@ ABLATIONS = {
     "dkdv": DKDV,
     "dkdv3": DKDV + [(LAUNCHER, "smem, 2 if rows == 64 and key_split == 1 else 1",
                       "smem, 3 if rows == 64 and key_split == 1 else 1")],
-    "lean_bq": [(BWD, "            *piece = add_to_halves(*piece, bq_s, q_shift);\n", "")],
     "lean_ds_max": [(BWD, "        publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below\n", ""),
                     (BWD, "        __syncthreads();  // red[0]: the tile's largest |dP|\n", ""),
                     (BWD, "ds_run.update(ds_observed_scale(red[0], scale));", "ds_run.update(1.f);")],

@@ -30,46 +30,9 @@ CONFIG_ID, CONFIG_TILE_ID, CONFIG_SPLITK_NUM = 0, 1, 2
 WORKSPACE = 32 << 20
 
 
-class HeuristicResult(ctypes.Structure):
-    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
-
-
-def library():
-    """The libcublasLt mapped into this process with CuPy's libcublas."""
-    import cupy_backends.cuda.libs.cublas  # noqa: F401
-    with open("/proc/self/maps") as maps:
-        paths = sorted({line.split()[-1] for line in maps if "libcublasLt.so" in line})
-    if not paths:
-        sys.exit("libcublasLt is not loaded")
-    lib = ctypes.CDLL(paths[0])
-    p, i32, u64, i64, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
-    for name, args in {
-        "cublasLtCreate": [p], "cublasLtMatmulDescCreate": [p, i32, i32],
-        "cublasLtMatmulDescSetAttribute": [p, i32, p, size], "cublasLtMatrixLayoutCreate": [p, i32, u64, u64, i64],
-        "cublasLtMatrixLayoutSetAttribute": [p, i32, p, size], "cublasLtMatmulPreferenceCreate": [p],
-        "cublasLtMatmulPreferenceSetAttribute": [p, i32, p, size],
-        "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i32, p, p],
-        "cublasLtMatmulAlgoConfigGetAttribute": [p, i32, p, size, p],
-        "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p],
-    }.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
-
-
-LT = library()
+# libcublasLt as CuPy mapped it, its functions bound, and the library's helpers for it
+LT, HeuristicResult, set_attr, check = _cublas.lt_library()[0], _cublas.LtHeuristic, _cublas.lt_set, _cublas._check
 _p = ctypes.c_void_p
-
-
-def check(status, what):
-    if status != 0:
-        raise RuntimeError(f"{what}: cuBLASLt status {status}")
-
-
-def set_attr(setter, obj, attr, value, ctype):
-    v = ctype(value)
-    check(setter(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), f"set attribute {attr}")
 
 
 def layout(dtype, rows, cols, ld, batch, stride):

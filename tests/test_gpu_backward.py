@@ -169,9 +169,10 @@ def test_one_k0_v0_scale_keeps_a_sample_whose_text_is_far_below_the_others(preci
 
 
 def test_the_lean_kernels_q_tile_stays_finite_where_bq_dwarfs_x_wq():
-    # The fp16 mode's lean attention (attention_bwd.half_qdo) gets Q0 = X Wq^T as fp16 at a scale
-    # from a bound on X Wq^T alone and adds bq in the kernel: with X 2^-14 times the benchmark's,
-    # bq · s_Q would pass fp16's 65504 unless the tile is shifted down (attn_bwd_lean's q_shift).
+    # The fp16 mode's lean attention (attention_bwd.half_qdo) gets Q0 + bq as fp16 from Q0's GEMM at
+    # a scale from a bound on X Wq^T alone: with X 2^-14 times the benchmark's, bq · s_Q would pass
+    # fp16's 65504 unless the rescale that writes bq's fp16 copy shifts both down (half_scaling.cu's
+    # write_product_bias).
     case = cases.Case(2, 130, 77, atol=0.0)
     inputs, _ = _case_data(case, 11)
     inputs = {name: array.copy() for name, array in inputs.items()}

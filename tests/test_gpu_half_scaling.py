@@ -183,3 +183,38 @@ def test_a_tensor_given_as_parts_is_their_sum_in_order_in_the_copy_the_rescale_a
         numpy.testing.assert_array_equal(cupy.asnumpy(lo), remainder)
         numpy.testing.assert_allclose(cupy.asnumpy(sums).astype(numpy.float64).sum(0),
                                       x.reshape(rows, cols).astype(numpy.float64).sum(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias_magnitude", [1.0, 2.0 ** 13, 2.0 ** 16, 2.0 ** 20])
+def test_the_rescale_writes_a_gemms_bias_at_its_output_scale_under_2_to_the_15(bias_magnitude):
+    # The fp16 mode's Q0 = X Wq^T + bq, cuBLASLt adding bq: out = [alpha · 2^-k, s · 2^-k] with
+    # s = alpha · s_X · s_Wq, and bias = half(bq · s · 2^-k), k the least that keeps (2^14 + max|bq · s|)
+    # · 2^-k under 2^15 (the product's part is under 2^14 · 2^-k by alpha). Two runs: the second's
+    # scales move (X times 2^6, Wq times 2^-9: s times 2^3), and so do bias and out. s is near 1
+    # here: k = 0 for the smaller biases, k > 0 for the larger.
+    import cupy
+    rng = numpy.random.default_rng(23)
+    d, alpha = 256, 2.0 ** -24
+    x, w = (cupy.asarray(rng.standard_normal(n, dtype=numpy.float32)) for n in (4 * d, d * d))
+    bq_host = rng.standard_normal(d).astype(numpy.float32)
+    bq_host *= numpy.float32(bias_magnitude / numpy.abs(bq_host).max())
+    bq = cupy.asarray(bq_host)
+    scaler = HalfScaler(3, 132)
+    table = cupy.array([x.data.ptr, w.data.ptr, bq.data.ptr], numpy.uint64)
+    halves = [cupy.empty(t.size, numpy.float16) for t in (x, w)]
+    bias, out = cupy.full(d, numpy.nan, numpy.float16), cupy.full(2, numpy.nan, numpy.float32)
+    copy, rescale = scaler.group(table.data.ptr, [(t.size, h.data.ptr, i + 1, 0, 0, 0) for i, (t, h) in
+                                                  enumerate(zip((x, w), halves))],
+                                 product_bias=(d, 1, 2, alpha, bias.data.ptr, out.data.ptr))
+    for run in range(2):
+        if run:
+            x *= 2.0 ** 6
+            w *= 2.0 ** -9
+        copy(), rescale()
+        inv = cupy.asnumpy(scaler.inverse_scales()).astype(numpy.float64)
+        s = alpha / (inv[1] * inv[2])  # the scale of alpha · (X s_X)(Wq s_Wq)
+        k = max(int(numpy.frexp(2.0 ** 14 + numpy.abs(bq_host).max() * s)[1]) - 15, 0)
+        assert (k > 0) == (bias_magnitude * s >= 2.0 ** 14)
+        numpy.testing.assert_array_equal(cupy.asnumpy(out), numpy.float32([alpha * 2.0 ** -k, s * 2.0 ** -k]))
+        numpy.testing.assert_array_equal(cupy.asnumpy(bias), (bq_host * (s * 2.0 ** -k)).astype(numpy.float16))
+        assert 2.0 ** 14 + numpy.abs(cupy.asnumpy(bias).astype(numpy.float64)).max() < 2.0 ** 15

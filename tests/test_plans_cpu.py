@@ -129,6 +129,7 @@ class Log(list):
         super().__init__()
         self.current, self.invalidated, self.device, self.refuse_in_capture = [], False, 0, False
         self.fail_on_stream = None  # a stream pointer whose next GEMM fails
+        self.bias_gemms = []  # (stream, arguments, sm_target) of each cuBLASLt GEMM recorded (Handle.bias_gemm)
 
     def count(self, kind):
         return sum(1 for entry in self if entry[0] == kind)
@@ -219,13 +220,21 @@ def gpu(monkeypatch):
 
         def gemm_batched(self, *args, sm_target=0):
             assert 0 <= sm_target <= 132, sm_target  # cuBLAS takes at most the device's SMs
+            self._call(args[-2])
+
+        def bias_gemm(self, *args, sm_target=0):  # cuBLASLt: chooses its algorithm when recorded
+            assert 0 <= sm_target <= 132, sm_target
+            log.bias_gemms.append((self.stream.ptr, args, sm_target))
+            return lambda: self._call(1)
+
+        def _call(self, batch):
             if log.refuse_in_capture and self.stream.capturing:
                 log.invalidated = True
                 raise _cublas.CublasError("refused during capture")
             if self.stream.ptr == log.fail_on_stream:
                 log.append(("failed gemm", self.stream.ptr))
                 raise _cublas.CublasError("failed on purpose")
-            log.append(("gemm", args[-2], self.stream.ptr))  # batch count, stream
+            log.append(("gemm", batch, self.stream.ptr))  # batch count, stream
 
     monkeypatch.setattr(kernels, "get_kernel",
                         lambda filename, name, defines=None, arch=None: FakeKernel(filename, name, defines))
@@ -855,13 +864,15 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
         expected += [([dy.data.ptr], rows_dy, d), ([dq.data.ptr], rows_dq, d)]
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
-    n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
+    n = (len(stage_b) - 6) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part
+    # strides, then a product bias (none: zeros)
+    assert stage_b[7 * n:] == [0] * 6
     n_a = 8
     assert stage_a[4 * n_a:5 * n_a] == [0] * 6 + [dy.data.ptr, 0]
     assert stage_b[4 * n:5 * n] == [dq.data.ptr, dkv.data.ptr]
     # [dK | dV] is the sum of the attention's two query chunks' partials (no reduction kernel).
     partials = program._attention.partials
-    assert partials.shape == (2, 40, 2 * d) and stage_b[5 * n:] == [1] * (n - 1) + [2] + [0] * (n - 1) + [20 * d]
+    assert partials.shape == (2, 40, 2 * d) and stage_b[5 * n:7 * n] == [1] * (n - 1) + [2] + [0] * (n - 1) + [20 * d]
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]  # (sources, meta, n, ...)
     assert _table_entries(program, int(copies[1][0]), n)[-1] == partials.data.ptr
     # The attention writes O · s_O as fp16 where the copy of O goes (fp32: its remainder where the
@@ -967,6 +978,8 @@ def test_small_half_mode_problems_give_cublas_its_share_of_the_sms(gpu, monkeypa
     for args, target in zip(calls, sm_targets):
         first = _table_entries(program, args[13], args[16])[0]  # the product's first output
         got.setdefault(first, set()).add(target)
+    for _, args, target in gpu.bias_gemms:  # the fp16 mode's Q0 where the lean attention runs: cuBLASLt's
+        got.setdefault(args[11], set()).add(target)
     assert all(got.pop(output) == {target} for output, target in zip(outputs, targets)), got
     assert all(targets == {0} for targets in got.values()), got  # the bias sums
 
@@ -1010,11 +1023,33 @@ def test_the_fp16_mode_gets_k0_v0_in_fp16_where_it_was_measured_faster(gpu, monk
     constant = program._constants.data.ptr + 8
     assert all((args[5] == constant) == half for args in kv0)
     for buffer in (program._q0, program._dout) if precision != "tf32" else ():  # (tf32: one batched GEMM)
-        # the lean kernel's fp16 Q0 and dO, at the same alpha
+        # the lean kernel's fp16 dO at that alpha; its Q0 + bq from cuBLASLt (below)
         writes = [args for args in calls if _table_entries(program, args[13], 1)[0] == buffer.data.ptr]
-        assert buffer.dtype == (numpy.float16 if lean else numpy.float32) and writes
-        assert {args[14] for args in writes} == {R_16F if lean else R_32F}
+        assert buffer.dtype == (numpy.float16 if lean else numpy.float32)
+        assert bool(writes) == (buffer is program._dout or not lean)
+        assert {args[14] for args in writes} <= {R_16F if lean else R_32F}
         assert all((args[5] == constant) == lean for args in writes)
+    from cupy_xattn.backward import _WQ, _X, _half_elements, _sm_shares
+    from cupy_xattn.gemm import OP_N, OP_T
+    q_bias, q_out = program._q_bias or (None, None)
+    mv, mt = shape[0] * shape[1], shape[0] * shape[2]
+    if lean:  # Q0 = X Wq^T + bq (column-major: Wq's copy first), with bq at Q0's scale, alpha and beta on the GPU
+        x = program._halves.data.ptr
+        wq = x + 2 * sum(_half_elements(mv, mt, hidden)[:2])
+        assert [(args, target) for _, args, target in gpu.bias_gemms] == [(
+            (OP_T, OP_N, hidden, mv, hidden, q_out.data.ptr, wq, hidden, x, hidden, program._constants.data.ptr,
+             program._q0.data.ptr, hidden, q_bias.data.ptr), _sm_shares("fp16", mv, mt, hidden, 132)["q0"])]
+    assert bool(gpu.bias_gemms) == lean
+    if lean:  # the first group's rescale writes bq at Q0's scale, and Q0's alpha and scale, into them
+        stage_a = program._scaler._groups[0].values
+        assert stage_a[-6:] == [hidden, _X, _WQ, int(numpy.float32(attention_bwd.kv_half_alpha(hidden)).view(
+            numpy.int32)), q_bias.data.ptr, q_out.data.ptr]
+        assert q_bias.dtype == numpy.float16 and q_bias.size == hidden and q_out.dtype == numpy.float32
+        # its sources are the eight tensors', then bq's
+        copies = [e[3] for e in gpu if e[:2] == ("kernel", "half_copy_absmax")]
+        assert _table_entries(program, int(copies[0][0]), 9)[-1] == "query_bias"
+        (q_scale, inv_wo), = [e[3][-2:] for e in gpu if e[0] == "kernel" and e[1] == "attn_bwd_lean"]
+        assert (int(q_scale), int(inv_wo)) == (q_out.data.ptr + 4, program._scaler.inverse_scale(backward._WO))
     # tf32: the streamed kernel reads an fp16 copy that a conversion makes of the fp32 [K0 | V0]
     converted = precision == "tf32" and shape[2] > 80
     assert (program._kv0_half is not None) == converted
@@ -1289,7 +1324,9 @@ def test_streamed_key_parts_leave_dq_in_parts_summed_once(gpu, monkeypatch, prec
         return
     assert dq_sums == [] and program._dq.size == 0
     stage_b = program._scaler._groups[1].values
-    n = len(stage_b) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part strides
+    n = (len(stage_b) - 6) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part
+    # strides, then a product bias (none: zeros)
+    assert stage_b[7 * n:] == [0] * 6
     assert stage_b[5 * n] == 3 and stage_b[6 * n] == 140 * 128 // 4  # dQ's entry: three parts, 140 · 128 apart
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]
     assert _table_entries(program, int(copies[1][0]), n)[0] == parts.data.ptr

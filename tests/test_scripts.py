@@ -104,14 +104,13 @@ def test_wgmma_probe_compiles_for_sm_90a(n):
 
 
 # The builds the ablations are timed in on the H200: the resident kernel on wgmma, fp16 O and fp32 O^T
-# (the tf32 mode's); the lean trees' attn_bwd_lean, the fp16 mode's and the tf32 mode's (O^T, dQ^T; it
-# adds bq where it stores the tiles, in code lean_bq leaves alone).
+# (the tf32 mode's); the lean trees' attn_bwd_lean, the fp16 mode's and the tf32 mode's (O^T, dQ^T).
 _RESIDENT = dict(ATTN_BLOCK_Q=64, ATTN_BLOCK_KV=32, ATTN_HEAD_DIM=64, ATTN_SPLIT3=0, ATTN_HALF=1, ATTN_KEYS=80,
                  ATTN_KEY_SPLIT=1, ATTN_RESIDENT_MIN_BLOCKS=2, ATTN_WGMMA=1)
 _TIMED_BUILDS = [dict(_RESIDENT, ATTN_O_TRANSPOSED=int(o_t), ATTN_O_HALF=int(not o_t)) for o_t in (False, True)]
 _LEAN_BUILDS = [dict(_RESIDENT, **builds.LEAN_FP16), dict(_RESIDENT, **builds.LEAN_TF32)]
-_ABLATIONS = ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv", "dkdv3", "lean_bq",
-              "lean_ds_max", "lean_stores", "lean_o"]
+_ABLATIONS = ["loads", "exp", "stores", "dq", "stores_l2", "o_late", "scales", "dkdv", "dkdv3", "lean_ds_max",
+              "lean_stores", "lean_o"]
 
 
 def _attention_ptx(folder, defines, monkeypatch):
@@ -135,7 +134,7 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
     for file, text in ablation.edit(name, lambda file: (root / file).read_text()).items():
         (tmp_path / name / file).parent.mkdir(exist_ok=True)
         (tmp_path / name / file).write_text(text)
-    timed = _TIMED_BUILDS if not name.startswith("lean_") else _LEAN_BUILDS[:1] if name == "lean_bq" else _LEAN_BUILDS
+    timed = _TIMED_BUILDS if not name.startswith("lean_") else _LEAN_BUILDS
     for defines in timed:
         base = _attention_ptx(tmp_path / "base" / "kernels_cu", defines, monkeypatch)
         changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
