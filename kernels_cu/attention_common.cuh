@@ -184,12 +184,6 @@ constexpr float P_SCALE = 16384.f;
 constexpr float P_SCALE = 1.f;
 #endif
 
-// The exponent k of a power of two 2^k in fp32's normal range (or of a normal float's leading bit;
-// -127 for 0 and subnormals), and 2^k from k in [-126, 127]: the scales are powers of two, and
-// their arithmetic is done on exponents (no division, nothing flushed or rounded).
-__device__ __forceinline__ int exponent_of(float x) { return static_cast<int>(__float_as_uint(x) >> 23) - 127; }
-__device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<unsigned>(k + 127) << 23); }
-
 // 2^(13 − E), E the exponent of amax (≥ 0, finite) raised to at least -113: amax·s < 2^14, s ≤ 2^126.
 __device__ __forceinline__ float pow2_scale(float amax) { return pow2(13 - max(exponent_of(amax), -113)); }
 

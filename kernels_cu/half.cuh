@@ -28,3 +28,9 @@ __device__ __forceinline__ float remainder_of_half(float x) {
     const float h = half_round(x);
     return isfinite(x) && isfinite(h) ? x - h : 0.f;
 }
+
+// The exponent k of a power of two 2^k in fp32's normal range (or of a normal float's leading bit;
+// -127 for 0 and subnormals), and 2^k from k in [-126, 127]: the scales are powers of two, and
+// their arithmetic is done on exponents (no division, nothing flushed or rounded).
+__device__ __forceinline__ int exponent_of(float x) { return static_cast<int>(__float_as_uint(x) >> 23) - 127; }
+__device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<unsigned>(k + 127) << 23); }

@@ -199,30 +199,60 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 // can pass 2^14 where |bias| is large against a b, so both are taken times 2^-k, k the least that
 // keeps 2^14 + max|bias · s| under 2^15 (0 on benchmark-like inputs): out = {alpha · 2^-k, s · 2^-k}
 // (the GEMM's alpha and the scale of its output) and bias = half(bias · s · 2^-k). Powers of two in
-// exponents, clamped to fp32's normal range as attn_bwd's product_half_scale. Block 0, every thread.
-__device__ void write_product_bias(const float4* const* source_entry, const long long* spec, const float* inv) {
-    const long long length = spec[0];
-    if (length == 0) return;
-    const float* source = reinterpret_cast<const float*>(*source_entry);
+// exponents, clamped to fp32's normal range as attn_bwd's product_half_scale. Block 0 of the
+// rescale, every thread; the first PRODUCT_BIAS_CACHED pairs a thread takes are loaded at the
+// kernel's start (load_product_bias), so that their latency overlaps the reads of the scales.
+#define PRODUCT_BIAS_CACHED 2
+struct ProductBias {
+    const float2* source;  // null: none (or not block 0)
+    long long pairs;
+    float2 cached[PRODUCT_BIAS_CACHED];  // pairs threadIdx.x + r · HALF_THREADS
+};
+
+__device__ __forceinline__ ProductBias load_product_bias(const float4* const* source_entry, const long long* spec) {
+    ProductBias b{nullptr, 0, {}};
+    if (blockIdx.x != 0 || spec[0] == 0) return b;
+    b.source = reinterpret_cast<const float2*>(*source_entry);
+    b.pairs = spec[0] / 2;
+#pragma unroll
+    for (int r = 0; r < PRODUCT_BIAS_CACHED; ++r) {
+        const long long p = threadIdx.x + r * HALF_THREADS;
+        b.cached[r] = p < b.pairs ? b.source[p] : make_float2(0.f, 0.f);
+    }
+    return b;
+}
+
+// each(p, pair p) over this thread's pairs, the cached ones first.
+template <typename Each>
+__device__ __forceinline__ void for_each_pair(const ProductBias& b, Each each) {
+#pragma unroll
+    for (int r = 0; r < PRODUCT_BIAS_CACHED; ++r) {
+        const long long p = threadIdx.x + r * HALF_THREADS;
+        if (p < b.pairs) each(p, b.cached[r]);
+    }
+    for (long long p = threadIdx.x + PRODUCT_BIAS_CACHED * HALF_THREADS; p < b.pairs; p += HALF_THREADS) each(p, b.source[p]);
+}
+
+__device__ void write_product_bias(const ProductBias& b, const long long* spec, const float* inv) {
+    if (b.source == nullptr) return;
     const float alpha = __int_as_float(static_cast<int>(spec[3]));
-    const int e_s = min(max(ilogbf(alpha) - ilogbf(inv[spec[1]]) - ilogbf(inv[spec[2]]), -126), 126);
+    const int e_s = min(max(exponent_of(alpha) - exponent_of(inv[spec[1]]) - exponent_of(inv[spec[2]]), -126), 126);
+    const float s = pow2(e_s);
     float m = 0.f;
-    for (long long i = threadIdx.x; i < length; i += HALF_THREADS) m = fmaxf(m, finite_abs(ldexpf(source[i], e_s)));
+    for_each_pair(b, [&](long long, float2 v) { m = fmaxf(m, fmaxf(finite_abs(v.x * s), finite_abs(v.y * s))); });
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     __shared__ float warp_max[HALF_THREADS / 32];
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
     for (int w = 0; w < HALF_THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
-    int e;
-    frexpf(16384.f + m, &e);  // 2^(e − 1) ≤ 2^14 + m < 2^e
-    const int e_out = max(e_s - max(e - 15, 0), -126);
+    const int e_out = max(e_s - max(exponent_of(16384.f + m) - 14, 0), -126);  // 2^14 + m < 2^(exponent + 1)
+    const float f = pow2(e_out);
     unsigned* bias = reinterpret_cast<unsigned*>(spec[4]);  // pairs of fp16
-    for (long long i = threadIdx.x; i < length / 2; i += HALF_THREADS)
-        bias[i] = pack_half2(ldexpf(source[2 * i], e_out), ldexpf(source[2 * i + 1], e_out));
+    for_each_pair(b, [&](long long p, float2 v) { bias[p] = pack_half2(v.x * f, v.y * f); });
     if (threadIdx.x == 0) {
         float* out = reinterpret_cast<float*>(spec[5]);
-        out[0] = ldexpf(alpha, e_out - e_s);
-        out[1] = ldexpf(1.f, e_out);
+        out[0] = alpha * pow2(e_out - e_s);
+        out[1] = f;
     }
 }
 
@@ -234,6 +264,7 @@ extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_rescale(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
              float* __restrict__ state, int n_slots) {
     wait_for_inputs();
+    const ProductBias bias = load_product_bias(sources + n, meta + 7 * n);
     const ScalerState st = scaler_state(state, n_slots);
     // Thread i < n (≤ HALF_THREADS) finds tensor i's scale, all of them at once: a block that took
     // them one after the other waited n times for the chain meta → copied_parity → amax_bits.
@@ -269,5 +300,5 @@ half_rescale(const float4* const* __restrict__ sources, const long long* __restr
     __syncthreads();
     for (int k = threadIdx.x; k < n_slots * n_slots; k += HALF_THREADS) st.alpha[k] = inv[k / n_slots] * inv[k % n_slots];
     if (threadIdx.x < n_slots) st.inv_scale[threadIdx.x] = inv[threadIdx.x];
-    write_product_bias(sources + n, meta + 7 * n, inv);
+    write_product_bias(bias, meta + 7 * n, inv);
 }
