@@ -1399,6 +1399,51 @@ def test_an_fp16_o_is_only_for_the_half_modes_row_major(precision, o_transposed)
         AttentionBackward(Problem(2, 70, 20, 128, 2, 64, 0.125), precision, 132, o_transposed=o_transposed, o_half=True)
 
 
+@pytest.mark.parametrize("found", [1, 0])
+def test_a_cublaslt_bias_gemm_describes_its_product_and_runs_it_on_its_stream(monkeypatch, found):
+    # Handle.bias_gemm: column-major d = alpha · op(a) op(b) + bias over fp16, fp32 accumulation,
+    # alpha and beta device pointers; a's layout is the stored one (k × m when op(a) is a^T), the
+    # SM target and the bias go to the descriptor, the workspace to the preference and the call.
+    from types import SimpleNamespace
+
+    from cupy_xattn import _cublas
+    from cupy_xattn.gemm import COMPUTE_32F, OP_N, OP_T, R_16F, R_32F
+    calls, handles = [], iter(range(100, 200))
+
+    class FakeLt:
+        def __getattr__(self, name):
+            def call(*args):
+                if name.endswith("Create"):
+                    args[0]._obj.value = next(handles)
+                if name == "cublasLtMatmulAlgoGetHeuristic":
+                    args[-1]._obj.value = found
+                plain = [getattr(getattr(a, "_obj", a), "value", getattr(a, "_obj", a)) for a in args]
+                calls.append((name, plain))
+                return 0
+            return call
+
+    monkeypatch.setattr(_cublas, "lt_library", lambda: (FakeLt(), "lt"))
+    stream, workspace = SimpleNamespace(ptr=7), SimpleNamespace(nbytes=1 << 20, data=SimpleNamespace(ptr=4096))
+    args = (OP_T, OP_N, 64, 512, 128, 11, 12, 128, 13, 128, 14, 15, 64, 16)  # m, n, k; alpha, a, lda, b, ...
+    if not found:
+        with pytest.raises(_cublas.CublasError, match="no algorithm"):
+            _cublas.LtMatmul(stream, workspace, *args, 44)
+        return
+    gemm = _cublas.LtMatmul(stream, workspace, *args, 44)
+    assert ("cublasLtMatmulDescCreate", [100, COMPUTE_32F, R_32F]) in calls
+    attributes = {v[1]: v[2] for n, v in calls if n == "cublasLtMatmulDescSetAttribute"}
+    assert attributes == {2: _cublas.POINTER_MODE_DEVICE, 3: OP_T, 4: OP_N, 15: 44, 7: 4, 8: 16}
+    layouts = [v[1:] for n, v in calls if n == "cublasLtMatrixLayoutCreate"]
+    assert layouts == [[R_16F, 128, 64, 128], [R_16F, 128, 512, 128], [R_16F, 64, 512, 64]]  # a^T: k × m
+    assert [v[1:] for n, v in calls if n == "cublasLtMatmulPreferenceSetAttribute"][0][:1] == [1]
+    calls.clear()
+    gemm()
+    (name, values), = calls
+    assert name == "cublasLtMatmul"
+    assert values[2:10] == [11, 12, 101, 13, 102, 14, 15, 103] and values[10:12] == [15, 103]
+    assert values[-3:] == [4096, 1 << 20, 7]  # the workspace and the stream
+
+
 @pytest.mark.parametrize("n_slots", [0, 257])
 def test_a_scaler_holds_1_to_256_slots(n_slots):
     from cupy_xattn.half_scaling import HalfScaler
@@ -1415,6 +1460,21 @@ def test_a_scaler_group_rejects_malformed_tensors(tensor, match):
     scaler.n_slots = 1
     with pytest.raises(ValueError, match=match):
         scaler.group(0, [tensor])
+
+
+@pytest.mark.parametrize("bias, match", [((0, 0, 1, 2.0 ** -26, 0, 0), "positive even length"),
+                                         ((1023, 0, 1, 2.0 ** -26, 0, 0), "positive even length"),
+                                         ((1024, 0, 2, 2.0 ** -26, 0, 0), "two of the scaler's slots"),
+                                         ((1024, -1, 1, 2.0 ** -26, 0, 0), "two of the scaler's slots"),
+                                         ((1024, 0, 1, 3.0 * 2.0 ** -26, 0, 0), "power of two"),
+                                         ((1024, 0, 1, 0.0, 0, 0), "power of two")])
+def test_a_scaler_group_rejects_a_malformed_product_bias(bias, match):
+    # write_product_bias takes pairs of elements, two slots' inverse scales and alpha's exponent only.
+    from cupy_xattn.half_scaling import HalfScaler
+    scaler = HalfScaler.__new__(HalfScaler)
+    scaler.n_slots = 2
+    with pytest.raises(ValueError, match=match):
+        scaler.group(0, [(8, 0, 0, 0, 0, 0)], product_bias=bias)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
