@@ -14,7 +14,8 @@ import threading
 from ._cupy import import_cupy
 from .gemm import GEMM_DEFAULT
 
-_lib = _lt = _lt_handle = None
+_lib = _lt = None
+_lt_handles = {}  # device id -> cuBLASLt handle (a handle belongs to the device it was created on)
 _lock = threading.Lock()
 
 _c_int, _c_void_p, _c_size_t = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
@@ -70,8 +71,8 @@ class LtHeuristic(ctypes.Structure):
 
 
 def lt_library():
-    """libcublasLt, with the functions LtMatmul (and scripts/lt_probe.py) call, and one cuBLASLt handle."""
-    global _lt, _lt_handle
+    """libcublasLt, with the functions LtMatmul (and scripts/lt_probe.py) call."""
+    global _lt
     with _lock:
         if _lt is None:
             p, i32, u64, i64, size = _c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, _c_size_t
@@ -86,15 +87,24 @@ def lt_library():
                 "cublasLtMatmulAlgoConfigGetAttribute": [p, i32, p, size, p],
                 "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p],
             })
+            _lt = lib
+    return _lt
+
+
+def lt_handle():
+    """The cuBLASLt handle of the current device, created at its first use and kept for the process."""
+    lib, device = lt_library(), import_cupy().cuda.runtime.getDevice()
+    with _lock:
+        if device not in _lt_handles:
             handle = _c_void_p()
             _check(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-            _lt, _lt_handle = lib, handle
-    return _lt, _lt_handle
+            _lt_handles[device] = handle
+        return _lt_handles[device]
 
 
 # cublasLtMatmulDescAttributes_t, cublasLtEpilogue_t, cublasLtMatmulPreferenceAttributes_t
 _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_SM_COUNT_TARGET = 2, 3, 4, 7, 8, 15
-_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
+_EPILOGUE_BIAS = 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 
 
@@ -160,7 +170,7 @@ class LtMatmul:
     def __init__(self, stream, workspace, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, bias,
                  sm_target):
         from .gemm import COMPUTE_32F, R_16F, R_32F
-        self._lib, self._handle = lt_library()
+        self._lib, self._handle = lt_library(), lt_handle()
         lib, i32 = self._lib, ctypes.c_int32
         self._desc, self._layouts, self._preference = _c_void_p(), [], _c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), COMPUTE_32F, R_32F), "cublasLtMatmulDescCreate")

@@ -374,7 +374,7 @@ class AttentionBackward:
 
         Parameters
         ----------
-        q0 : (B·Nv, D) float32, X Wq^T without the bias (with qdo_half float16 and with it, see qdo_scales).
+        q0 : (B·Nv, D) float32, X Wq^T without the bias (with qdo_half float16 X Wq^T + bq, see qdo_scales).
         kv0 : (B·Nt, 2D) float32, T [Wk; Wv]^T without the biases (with kv_half float16, times s_KV).
         bias_addresses : device address of three consecutive addresses: bq, bk, bv ((D,) float32).
         dout : (B·Nv, D) float32, dO = dY Wo (with qdo_half float16).

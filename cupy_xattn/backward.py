@@ -3,7 +3,7 @@
 With Mv = B·Nv video rows and Mt = B·Nt text rows (row-major, heads side by side):
 
     Q0 = X Wq^T            [K0 | V0] = T [Wk | Wv]^T (one batched GEMM)     dO = dY Wo
-    attention kernel → O, dQ, dKV = [dK | dV]                  (bq added inside, bv to O; bk and bv
+    attention kernel → O, dQ, dKV = [dK | dV]                  (bq added inside or by Q0's GEMM, bv to O; bk and bv
                                  cancel elsewhere; fp16 mode, where attention_bwd.half_kv says: [K0 | V0]
                                  written as fp16 by its GEMM, ATTN_KV_HALF; and where half_qdo says,
                                  Q0 and dO too, ATTN_QDO_HALF: attn_bwd_lean, Q0's GEMM then adding bq

@@ -106,10 +106,12 @@ class HalfScaler:
             raise ValueError(f"slots run from 0 to {self.n_slots - 1}")
         if product_bias is not None:
             length, slot_a, slot_b, alpha, bias, out = product_bias
-            if length <= 0 or length % 2 or not (0 <= slot_a < self.n_slots and 0 <= slot_b < self.n_slots):
-                raise ValueError("a product bias has a positive even length and two of the scaler's slots")
-            if not (alpha > 0 and math.frexp(alpha)[0] == 0.5):
-                raise ValueError(f"a product bias's alpha is a power of two, got {alpha}")
+            if length <= 0 or length % 2 or not {slot_a, slot_b} <= {t[2] for t in tensors}:
+                raise ValueError("a product bias has a positive even length and two slots of the group's tensors")
+            if not (alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
+                raise ValueError(f"a product bias's alpha is a power of two in fp32's normal range, got {alpha}")
+            if not (bias and out) or bias % 4 or out % 4:
+                raise ValueError("a product bias's bias and out are device addresses, 4-byte aligned")
             trailer = [length, slot_a, slot_b, int(numpy.float32(alpha).view(numpy.int32)), bias, out]
         else:
             trailer = [0] * 6

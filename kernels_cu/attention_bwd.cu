@@ -8,7 +8,8 @@
 // S, P and dS live only in registers and shared memory.
 //
 // Layouts (row-major fp32, heads side by side in the hidden dimension D = H·d):
-//   q0, dout, o, dq : [B·Nv, D] (q0, dout fp16 in attn_bwd_lean's ATTN_QDO_HALF build)
+//   q0, dout, o, dq : [B·Nv, D] (q0, dout fp16 in attn_bwd_lean's ATTN_QDO_HALF build, q0 then
+//                     (Q0 + bq) · s_Q: its GEMM adds bq)
 //   kv0 : [B·Nt, 2D]  (K0 in columns [0, D), V0 in [D, 2D);
 //                     fp16 at one scale with ATTN_KV_HALF, below)
 //   o has row stride ld_o (D); with ATTN_O_TRANSPOSED it is O^T instead: D rows of B·Nv, row
@@ -27,7 +28,8 @@
 //                     dQ by blocks of 16 rows of a sample, [B·⌈Nv/16⌉, D], which a ones row adds up
 //                     to dbq. It saves the transposed copy of dQ after the kernel (read and write of
 //                     dQ, with its sums); null pointers in the other builds
-//   biases          : device array of the three bias addresses bq, bk, bv ([D] each; bk unread, below)
+//   biases          : device array of the three bias addresses bq, bk, bv ([D] each; bk unread, below;
+//                     bq too in the ATTN_QDO_HALF build)
 //   text_lengths    : [B] ints, the keys each sample attends to; keys past them get P = 0, so their
 //                     dK and dV rows come out 0 (every row of dkv_part is still written). Their K
 //                     and V rows are not read (loaded as zeros: they cannot set an operand scale or

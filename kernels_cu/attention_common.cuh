@@ -187,11 +187,6 @@ constexpr float P_SCALE = 1.f;
 // 2^(13 − E), E the exponent of amax (≥ 0, finite) raised to at least -113: amax·s < 2^14, s ≤ 2^126.
 __device__ __forceinline__ float pow2_scale(float amax) { return pow2(13 - max(exponent_of(amax), -113)); }
 
-__device__ __forceinline__ float finite_abs(float x) {
-    const float a = fabsf(x);
-    return a < __int_as_float(0x7f800000) ? a : 0.f;
-}
-
 // The larger of m and a warp's accumulator tile's largest finite |element|.
 template <int NT>
 __device__ __forceinline__ float max_finite_abs(float m, const float c[NT][4]) {

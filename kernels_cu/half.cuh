@@ -7,12 +7,6 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return r;
 }
 
-// pack_half2's inverse: the low half (first in memory) into lo, the high one into hi.
-__device__ __forceinline__ void unpack_half2(unsigned w, float& lo, float& hi) {
-    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
-        : "=f"(lo), "=f"(hi) : "r"(w));
-}
-
 // x rounded to fp16 and back.
 __device__ __forceinline__ float half_round(float x) {
     unsigned short h;
@@ -34,3 +28,9 @@ __device__ __forceinline__ float remainder_of_half(float x) {
 // their arithmetic is done on exponents (no division, nothing flushed or rounded).
 __device__ __forceinline__ int exponent_of(float x) { return static_cast<int>(__float_as_uint(x) >> 23) - 127; }
 __device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<unsigned>(k + 127) << 23); }
+
+// |x| where x is finite, else 0: maxima over finite elements only (an Inf or NaN does not set a scale).
+__device__ __forceinline__ float finite_abs(float x) {
+    const float a = fabsf(x);
+    return a < __int_as_float(0x7f800000) ? a : 0.f;
+}

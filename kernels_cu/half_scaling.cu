@@ -22,7 +22,8 @@
 //   half_rescale:     s = copied if within the window, else from amax_bits[copied_parity][slot];
 //                     if s ≠ copied, y = half(x · s);
 //                     then its block 0: inv_scale[slot] = 1/s, guess[slot] = s, parity[slot] = 1 − p,
-//                     alpha[i·n + j] = inv_scale[i] · inv_scale[j] for all n slots
+//                     alpha[i·n + j] = inv_scale[i] · inv_scale[j] for all n slots; and where the
+//                     group has one, a GEMM's bias at that GEMM's output scale (write_product_bias)
 // Each kernel reads only what an earlier kernel wrote: the rescale's blocks read what the copy
 // recorded, never what the rescale's block 0 writes, and the two amax buffers take turns, so the
 // copy can clear the one the rescale does not read. No block waits for another (a counter of
@@ -114,8 +115,6 @@ __device__ __forceinline__ float4 load_streaming(const float4* p) {
     asm("ld.global.cs.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
     return v;
 }
-
-__device__ __forceinline__ float finite_abs(float x) { return isfinite(x) ? fabsf(x) : 0.f; }
 
 // y[j] = half(v · s), and lo[j] = its remainder when lo is not null.
 __device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, float4 v, float s) {

@@ -77,8 +77,8 @@ def probe_attention(shape, precision):
     variants = [(o_t, dq_t, kv_half, False) for (o_t, dq_t), kv_half in
                 itertools.product(layouts, (False, True) if half else (False,))]
     # attn_bwd_lean's fp16 build where the backward runs it (half_qdo): Q0 + bq and dO in fp16 too,
-    # at s_Q (given: 2^-5 here) and kv_half_alpha / (inv_dy · inv_wo) (inverse scales 2^-15 and
-    # 2^-20 here: near 1). The tf32 mode's lean build is its plain one where lean_tf32 holds for the
+    # at s_Q (given: 2^-5 here) and kv_half_alpha / (inv_dy · inv_wo) (inverse scales 2^-3 and
+    # 2^-20 here). The tf32 mode's lean build is its plain one where lean_tf32 holds for the
     # shape (e.g. 2x4096x77).
     qdo = attention_bwd.half_qdo(problem, precision, sm_count)
     if qdo:

@@ -20,9 +20,8 @@ import numpy
 from cupy_xattn import _cublas, gemm
 from gemm_probe import median_us
 
-R_32F, R_16F = 0, 2
-COMPUTE_32F, COMPUTE_TF32 = 68, 77
-OP_N, OP_T = 0, 1
+R_32F, R_16F, COMPUTE_32F, COMPUTE_TF32, OP_N, OP_T = (gemm.R_32F, gemm.R_16F, gemm.COMPUTE_32F,
+                                                    gemm.COMPUTE_32F_FAST_TF32, gemm.OP_N, gemm.OP_T)
 DESC_TRANSA, DESC_TRANSB = 3, 4
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 PREF_MAX_WORKSPACE_BYTES = 1
@@ -31,7 +30,7 @@ WORKSPACE = 32 << 20
 
 
 # libcublasLt as CuPy mapped it, its functions bound, and the library's helpers for it
-LT, HeuristicResult, set_attr, check = _cublas.lt_library()[0], _cublas.LtHeuristic, _cublas.lt_set, _cublas._check
+LT, HeuristicResult, set_attr, check = _cublas.lt_library(), _cublas.LtHeuristic, _cublas.lt_set, _cublas._check
 _p = ctypes.c_void_p
 
 
@@ -112,8 +111,7 @@ def describe(result):
 
 
 def main():
-    handle = _p()
-    check(LT.cublasLtCreate(ctypes.byref(handle)), "create")
+    handle = _cublas.lt_handle()
     cublas_handle = _cublas.Handle(cupy.cuda.get_current_stream())
     d = 1024
     rng = cupy.random.default_rng(0)

@@ -185,8 +185,9 @@ def test_a_tensor_given_as_parts_is_their_sum_in_order_in_the_copy_the_rescale_a
                                       x.reshape(rows, cols).astype(numpy.float64).sum(0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [256, 2304])  # 2304: past the pairs the rescale loads at its start
 @pytest.mark.parametrize("bias_magnitude", [1.0, 2.0 ** 13, 2.0 ** 16, 2.0 ** 20])
-def test_the_rescale_writes_a_gemms_bias_at_its_output_scale_under_2_to_the_15(bias_magnitude):
+def test_the_rescale_writes_a_gemms_bias_at_its_output_scale_under_2_to_the_15(bias_magnitude, d):
     # The fp16 mode's Q0 = X Wq^T + bq, cuBLASLt adding bq: out = [alpha · 2^-k, s · 2^-k] with
     # s = alpha · s_X · s_Wq, and bias = half(bq · s · 2^-k), k the least that keeps (2^14 + max|bq · s|)
     # · 2^-k under 2^15 (the product's part is under 2^14 · 2^-k by alpha). Two runs: the second's
@@ -194,7 +195,7 @@ def test_the_rescale_writes_a_gemms_bias_at_its_output_scale_under_2_to_the_15(b
     # here: k = 0 for the smaller biases, k > 0 for the larger.
     import cupy
     rng = numpy.random.default_rng(23)
-    d, alpha = 256, 2.0 ** -24
+    alpha = 2.0 ** -24
     x, w = (cupy.asarray(rng.standard_normal(n, dtype=numpy.float32)) for n in (4 * d, d * d))
     bq_host = rng.standard_normal(d).astype(numpy.float32)
     bq_host *= numpy.float32(bias_magnitude / numpy.abs(bq_host).max())

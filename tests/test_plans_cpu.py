@@ -1072,6 +1072,26 @@ def test_the_attention_refuses_a_k0_v0_of_the_other_dtype(gpu, kv_half):
                   f32(162, 512), o_scales=(0,) * 6)
 
 
+@pytest.mark.parametrize("qdo_scales", [None, (8, 16, 24), (8,)])
+def test_the_lean_fp16_attention_takes_s_q_and_inv_wo(gpu, qdo_scales):
+    # attn_bwd_lean's ATTN_QDO_HALF build reads Q0 + bq at the scale its GEMM wrote (s_Q) and dO at
+    # [K0 | V0]'s alpha over Wo's copy (inv_wo): two addresses, no more, no fewer.
+    from cupy_xattn.attention_bwd import AttentionBackward, half_qdo
+    from cupy_xattn.checks import Problem
+    problem = Problem(4, 512, 77, 1024, 16, 64, 0.125)
+    assert half_qdo(problem, "fp16", 132)  # the fake GPU is an H200
+    attention = AttentionBackward(problem, "fp16", 132, o_half=True, kv_half=True, qdo_half=True)
+    f16 = lambda *shape: FakeArray(shape, numpy.float16)  # noqa: E731
+    f32 = lambda *shape: FakeArray(shape)  # noqa: E731
+    call = lambda scales: attention(f16(2048, 1024), f16(308, 2048), 0, f16(2048, 1024), f16(2048, 1024),  # noqa: E731
+                                    f32(2048, 1024), f32(308, 2048), o_scales=(0,) * 6, qdo_scales=scales)
+    with pytest.raises(ValueError, match=r"qdo_scales \(s_q, inv_wo\)"):
+        call(qdo_scales)
+    call((8, 16))
+    launch, = [entry for entry in gpu if entry[:2] == ("kernel", "attn_bwd_lean")]
+    assert [int(a) for a in launch[3][-2:]] == [8, 16]
+
+
 @pytest.mark.parametrize("precision, kv_half, kv_scale", [("tf32", True, None), ("tf32", False, 64),
                                                            ("fp16", True, 64)])
 def test_the_k0_v0_scale_address_goes_with_the_tf32_modes_fp16_k0_v0_only(gpu, precision, kv_half, kv_scale):
@@ -1422,7 +1442,8 @@ def test_a_cublaslt_bias_gemm_describes_its_product_and_runs_it_on_its_stream(mo
                 return 0
             return call
 
-    monkeypatch.setattr(_cublas, "lt_library", lambda: (FakeLt(), "lt"))
+    monkeypatch.setattr(_cublas, "lt_library", FakeLt)
+    monkeypatch.setattr(_cublas, "lt_handle", lambda: "lt")
     stream, workspace = SimpleNamespace(ptr=7), SimpleNamespace(nbytes=1 << 20, data=SimpleNamespace(ptr=4096))
     args = (OP_T, OP_N, 64, 512, 128, 11, 12, 128, 13, 128, 14, 15, 64, 16)  # m, n, k; alpha, a, lda, b, ...
     if not found:
@@ -1462,19 +1483,23 @@ def test_a_scaler_group_rejects_malformed_tensors(tensor, match):
         scaler.group(0, [tensor])
 
 
-@pytest.mark.parametrize("bias, match", [((0, 0, 1, 2.0 ** -26, 0, 0), "positive even length"),
-                                         ((1023, 0, 1, 2.0 ** -26, 0, 0), "positive even length"),
-                                         ((1024, 0, 2, 2.0 ** -26, 0, 0), "two of the scaler's slots"),
-                                         ((1024, -1, 1, 2.0 ** -26, 0, 0), "two of the scaler's slots"),
-                                         ((1024, 0, 1, 3.0 * 2.0 ** -26, 0, 0), "power of two"),
-                                         ((1024, 0, 1, 0.0, 0, 0), "power of two")])
+@pytest.mark.parametrize("bias, match", [((0, 0, 1, 2.0 ** -26, 8, 8), "positive even length"),
+                                         ((1023, 0, 1, 2.0 ** -26, 8, 8), "positive even length"),
+                                         ((1024, 0, 2, 2.0 ** -26, 8, 8), "two slots of the group's"),
+                                         ((1024, -1, 1, 2.0 ** -26, 8, 8), "two slots of the group's"),
+                                         ((1024, 0, 1, 3.0 * 2.0 ** -26, 8, 8), "power of two"),
+                                         ((1024, 0, 1, 0.0, 8, 8), "power of two"),
+                                         ((1024, 0, 1, 2.0 ** -127, 8, 8), "normal range"),
+                                         ((1024, 0, 1, 2.0 ** -26, 0, 8), "4-byte aligned"),
+                                         ((1024, 0, 1, 2.0 ** -26, 8, 6), "4-byte aligned")])
 def test_a_scaler_group_rejects_a_malformed_product_bias(bias, match):
-    # write_product_bias takes pairs of elements, two slots' inverse scales and alpha's exponent only.
+    # write_product_bias takes pairs of elements, two of its group's slots (whose new scales its
+    # rescale knows), alpha's exponent only, and writes fp16 pairs and two floats.
     from cupy_xattn.half_scaling import HalfScaler
     scaler = HalfScaler.__new__(HalfScaler)
-    scaler.n_slots = 2
+    scaler.n_slots = 3
     with pytest.raises(ValueError, match=match):
-        scaler.group(0, [(8, 0, 0, 0, 0, 0)], product_bias=bias)
+        scaler.group(0, [(8, 0, 0, 0, 0, 0), (8, 0, 1, 0, 0, 0)], product_bias=bias)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
