@@ -153,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(HALF_THREADS)
 half_copy_absmax(const float4* const* __restrict__ sources, const long long* __restrict__ meta, int n,
                  float* __restrict__ state, int n_slots) {
     wait_for_inputs();
+    launch_dependents();  // the rescale's blocks take their slots now, not behind a GEMM issued beside
     const ScalerState st = scaler_state(state, n_slots);
     const int i = blockIdx.y;
     const int slot = group_slot(meta, n, i);
