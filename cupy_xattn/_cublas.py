@@ -12,7 +12,7 @@ import ctypes
 import threading
 
 from ._cupy import import_cupy
-from .gemm import GEMM_DEFAULT
+from .gemm import COMPUTE_32F, GEMM_DEFAULT, R_16F, R_32F
 
 _lib = _lt = None
 _lt_handles = {}  # device id -> cuBLASLt handle (a handle belongs to the device it was created on)
@@ -169,7 +169,6 @@ class LtMatmul:
 
     def __init__(self, stream, workspace, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, bias,
                  sm_target):
-        from .gemm import COMPUTE_32F, R_16F, R_32F
         self._lib, self._handle = lt_library(), lt_handle()
         lib, i32 = self._lib, ctypes.c_int32
         self._desc, self._layouts, self._preference = _c_void_p(), [], _c_void_p()

@@ -394,7 +394,9 @@ class Backward:
         qdo_half = self._q0.dtype == numpy.float16
         # There Q0's GEMM adds bq (cuBLASLt's bias epilogue), at the alpha and scale that the first
         # group's rescale writes with bq's fp16 copy: [alpha, s_Q] (half_scaling.cu's write_product_bias).
-        q_bias, q_out = (cupy.empty(d, numpy.float16), cupy.empty(2, numpy.float32)) if qdo_half else (None, None)
+        if qdo_half:  # kept alive here: the steps hold only their addresses
+            self._q_bias = cupy.empty(d, numpy.float16), cupy.empty(2, numpy.float32)
+        q_bias, q_out = self._q_bias or (None, None)
         product_bias = ("query_bias", (d, _X, _WQ, kv_half_alpha(d), addr(q_bias), addr(q_out))) if qdo_half else None
         (dy_sums, rows_a), = self._record_conversions(stage_a, shapes_a, product_bias)
         gemm, alpha = self._gemm, self._scaler.alpha
@@ -409,7 +411,6 @@ class Backward:
 
         self._fork()
         if qdo_half:  # the buffers are the plan's own: no pointer table needed
-            self._q_bias = q_bias, q_out  # kept alive: the steps hold their addresses
             self._steps.append((f"gemm {mv}x{d}x{d} + bias", self._handles[0].bias_gemm(
                 OP_T, OP_N, d, mv, d, addr(q_out), WQ, d, X, d, addr(self._constants), addr(self._q0), d,
                 addr(q_bias), sm_target=sms["q0"]), 0))

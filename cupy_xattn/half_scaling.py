@@ -108,7 +108,8 @@ class HalfScaler:
             length, slot_a, slot_b, alpha, bias, out = product_bias
             if length <= 0 or length % 2 or not {slot_a, slot_b} <= {t[2] for t in tensors}:
                 raise ValueError("a product bias has a positive even length and two slots of the group's tensors")
-            if not (alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
+            mantissa, exponent = math.frexp(alpha)
+            if not (alpha > 0 and mantissa == 0.5 and -126 <= exponent - 1 <= 127):
                 raise ValueError(f"a product bias's alpha is a power of two in fp32's normal range, got {alpha}")
             if not (bias and out) or bias % 4 or out % 4:
                 raise ValueError("a product bias's bias and out are device addresses, 4-byte aligned")

@@ -197,7 +197,7 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 // bias as fp16, each sum of products of the copies under 2^14 by alpha (the fp16 mode's Q0 = X Wq^T
 // + bq at alpha kv_half_alpha): (a b + bias) · s with s = alpha · s_a · s_b, if bias is bias · s. That
 // can pass 2^14 where |bias| is large against a b, so both are taken times 2^-k, k the least that
-// keeps 2^14 + max|bias · s| under 2^15 (0 on benchmark-like inputs): out = {alpha · 2^-k, s · 2^-k}
+// keeps (2^14 + max|bias · s|) · 2^-k under 2^15 (0 on benchmark-like inputs): out = {alpha · 2^-k, s · 2^-k}
 // (the GEMM's alpha and the scale of its output) and bias = half(bias · s · 2^-k). Powers of two in
 // exponents, clamped to fp32's normal range as attn_bwd's product_half_scale. Block 0 of the
 // rescale, every thread; the first PRODUCT_BIAS_CACHED pairs a thread takes are loaded at the
