@@ -14,7 +14,7 @@ __device__ __forceinline__ void wait_for_inputs() {
 // Lets the kernels that depend on this one through a programmatic edge be launched before it ends:
 // they still wait for all of it in their wait_for_inputs(), so only their launch, and the SM slots
 // their blocks take, come earlier. Used where a small grid follows a large one that something on
-// another lane would otherwise fill the SMs behind (the conversions' rescales: perf-notes, Next).
+// another lane would otherwise fill the SMs behind (the conversions' rescales: perf-notes, v67).
 __device__ __forceinline__ void launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
