@@ -125,24 +125,28 @@ def probe_attention(shape, precision):
 def probe_conversions(shape):
     """fp16 copies and remainders of one shape's X, T, Wq, Wk, Wv, Wo, dY, O, dQ, [dK | dV] (the sum
     of two chunks' partials, as the half modes take it), with the partial column sums of dY, dQ and
-    [dK | dV]; the tf32 mode's transposes of the weights (side by side), of X and dY and of
-    [dK | dV] (rows padded as there), with column sums of dY and [dK | dV]."""
+    [dK | dV], and bq's copy at the scale of X Wq^T (the rescale's product bias); the tf32 mode's
+    transposes of the weights (side by side), of X and dY and of [dK | dV] (rows padded as there),
+    with column sums of dY and [dK | dV]."""
     case, d, _ = sanitize.parse(shape)
     mv, mt = case.batch_size * case.num_video_tokens, case.batch_size * case.num_text_tokens
     sizes = [mv * d, mt * d, d * d, d * d, d * d, d * d, mv * d, mv * d, mv * d, 2 * mt * d]
     rng = numpy.random.default_rng(0)
     parts = [1] * 9 + [2]
     sources = [cupy.asarray(rng.standard_normal(n * size, dtype=numpy.float32)) for n, size in zip(parts, sizes)]
-    table = cupy.array([x.data.ptr for x in sources], numpy.uint64)
+    bq = cupy.asarray(rng.standard_normal(d, dtype=numpy.float32))  # Q0's bias, as the fp16 mode's first group
+    table = cupy.array([x.data.ptr for x in sources] + [bq.data.ptr], numpy.uint64)
     sm_count = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
     halves = [(cupy.full(size, numpy.nan, numpy.float16), cupy.full(size, numpy.nan, numpy.float16)) for size in sizes]
     scaler = HalfScaler(len(sizes), sm_count)
+    bq_half, bq_out = cupy.full(d, numpy.nan, numpy.float16), cupy.full(2, numpy.nan, numpy.float32)
     row_lengths = [0] * 6 + [d, 0, d, 2 * d]  # column sums of dY, dQ, [dK | dV]
     sum_rows = iter(column_sum_rows(sizes, [c for c in row_lengths if c], sm_count))
     sums = [cupy.full((next(sum_rows), c), numpy.nan, numpy.float32) if c else None for c in row_lengths]
     copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, s.data.ptr if c else 0, c, n,
                                                    size) for i, (size, (hi, lo), s, c, n)
-                                                  in enumerate(zip(sizes, halves, sums, row_lengths, parts))])
+                                                  in enumerate(zip(sizes, halves, sums, row_lengths, parts))],
+                                  (d, 0, 2, 2.0 ** -10, bq_half.data.ptr, bq_out.data.ptr))
     copy(), rescale()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
     x_t = cupy.full((2, d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)  # X^T, dY^T apart
@@ -155,7 +159,8 @@ def probe_conversions(shape):
                sums=dy_t_sums.data.ptr, sum_from=1)()
     Transposed(table.data.ptr + 8 * 9, 1, dkv_t.data.ptr, mt, 2 * d, ld=dkv_t.shape[1], sums=dkv_t_sums.data.ptr)()
     finite = all(bool(cupy.isfinite(x).all())
-                 for x in [*(x for pair in halves for x in pair), *(s for s in sums if s is not None), weights_t,
+                 for x in [*(x for pair in halves for x in pair), *(s for s in sums if s is not None), bq_half, bq_out,
+                           weights_t,
                            x_t[:, :, :mv], dkv_t[:, :mt], dy_t_sums, dkv_t_sums])
     print(f"conversions {shape}: outputs finite: {finite}", flush=True)
     if not finite:

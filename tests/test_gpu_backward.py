@@ -350,22 +350,26 @@ def test_poisoned_out_is_fully_written_inputs_untouched_and_bitwise_repeatable(p
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_nan_and_inf_inputs_propagate_as_in_the_reference_and_the_next_call_is_clean(precision):
-    # NaN and Inf are not rejected (docs/reliability.md): an output has a non-finite element exactly
-    # where the float64 reference has one (grad_output_bias, dY's column sums, stays finite). The
+    # NaN and Inf are not rejected (docs/reliability.md): each output element is non-finite exactly
+    # where the float64 reference's is (with NaN in X, grad_output_bias, dY's column sums, stays
+    # finite; with +Inf in dY, dX's other rows do). Where the reference has ±Inf, the fp32 mode
+    # may give NaN (its remainder products: reliability.md), so only finiteness is compared. The
     # fp16 scales come from the finite elements only, so the same plan's next call, on clean
     # inputs, passes the benchmark's rule: no scale, alpha or partial sum is left poisoned.
     cupy = _cupy()
     case = next(c for c in SUITE if c.label == "2x256x77")
     inputs, ref = _case_data(case, 9)
-    for name, index, value in (("video_latents", (0, 0, 0), numpy.nan), ("key_weight", (0, 0), numpy.inf)):
+    for name, index, value in (("video_latents", (0, 0, 0), numpy.nan), ("key_weight", (0, 0), numpy.inf),
+                               ("grad_output", (0, 0, 0), numpy.inf)):
         bad = {key: array.copy() for key, array in inputs.items()}
         bad[name][index] = value
         with numpy.errstate(invalid="ignore", over="ignore"):
-            want = {n: bool(numpy.isfinite(g).all())
-                    for n, g in zip(CrossAttentionGrads._fields, reference.backward(**bad, num_heads=16))}
-        assert not all(want.values()) and want["grad_output_bias"], want  # the case tests something
+            want = [numpy.isfinite(g) for g in reference.backward(**bad, num_heads=16)]
+        assert not all(w.all() for w in want) and any(w.any() for w in want), name  # both sides tested
         got = cross_attention_backward(**_on_gpu(bad), precision=precision)
-        assert {n: bool(cupy.isfinite(g).all()) for n, g in zip(CrossAttentionGrads._fields, got)} == want, name
+        for output, w, g in zip(CrossAttentionGrads._fields, want, got):
+            mismatched = int((cupy.asnumpy(cupy.isfinite(g)) != w).sum())
+            assert mismatched == 0, f"{name}: {mismatched} elements of {output} differ in finiteness"
         clean = cross_attention_backward(**_on_gpu(inputs), precision=precision)
         rows = cases.compare(clean, ref, atol=case.atol, rtol=case.rtol, match_ratio=case.match_ratio)
         assert all(row["passed"] for row in rows), (name, rows)
