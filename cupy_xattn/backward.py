@@ -500,8 +500,10 @@ class Backward:
              m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
         gemm(["text_embeddings"] * 2, ["key_weight", "value_weight"], [addr(self._kv0), addr(self._kv0, 4 * d)],
              m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
+        # dX and dT read these; on lane 2, not behind K0|V0's GEMM, so the join before the attention
+        # does not wait for the two in series (lane 2's X^T, dY^T are issued after the join).
         step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
-                                                addr(self._wqkv_t), d, d), 1)  # dX and dT read them
+                                                addr(self._wqkv_t), d, d), 2)
         if self._kv0_half is not None:  # the streamed attention's fp16 [K0 | V0] (attention_bwd.half_kv)
             copy, rescale = self._kv_scaler.group(at(addr(self._kv0)), [(mt * 2 * d, addr(self._kv0_half), 0, 0, 0, 0)])
             step("[K0 | V0] to fp16", copy, 1)
