@@ -30,8 +30,9 @@ Independent GEMMs run side by side on three lanes (the main stream and two forke
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
 dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16, fp32: dWo beside the second conversion,
 as it reads the attention's fp16 O; tf32: dX; dQ^T (where the attention does not write it),
-dbo|dbq then dWo|dWq; dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with the transposes of the inputs
-made beside the attention; a pair without transposes has its bias sums on the main lane). On the small shapes
+dbo|dbq then dWo|dWq; dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with [Wq^T | Wk^T | Wv^T] made on
+lane 2 before the attention and the transposes of the inputs issued beside it; a pair without
+transposes has its bias sums on the main lane). On the small shapes
 one GEMM fills a fraction of the SMs, so the lanes overlap what would otherwise run one after the
 other.
 

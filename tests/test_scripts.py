@@ -213,3 +213,9 @@ def test_reliability_table_is_the_one_in_the_docs(capsys, monkeypatch):
     header = capsys.readouterr().out.splitlines()[0]
     assert header == "| input (B=2, Nv=6, Nt=5, D=256, H=4; backend numpy, precision fp16) | what it gets |"
     assert seen.count("bf16") == 1 and seen.count("fp16") == len(seen) - 1  # all but the row that sets its own
+
+
+def test_nonfinite_classes_tells_finite_infinities_and_nan_apart():
+    classes = _script("nonfinite_classes").classes
+    x = numpy.array([0.0, -1.5, numpy.inf, -numpy.inf, numpy.nan])
+    assert classes(x).tolist() == [0, 0, 1, 2, 3]
