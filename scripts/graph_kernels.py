@@ -3,7 +3,8 @@ duration of each kernel in the graph; the two together say how much of a small c
 
 Usage:  PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32            (time the replay)
         PYTHONPATH=. python3 scripts/graph_kernels.py 2x256x77 tf32 --trace    (idle gaps per replay,
-                                                     each after a lead spin, as the benchmark; --no-lead)
+                                                     each after a lead spin, as the benchmark; --no-lead;
+                                                     --kernels, --extremes: kernel lists)
         ncu --clock-control none --cache-control none --profile-from-start off \\
             --metrics gpu__time_duration.sum --csv \\
             python3 scripts/graph_kernels.py 2x256x77 tf32 --profile      (each kernel of one replay)
@@ -31,11 +32,13 @@ def main():
     parser.add_argument("--trace", action="store_true",
                         help="every kernel's start and end in each replay (CUPTI, through torch.profiler)")
     parser.add_argument("--kernels", action="store_true", help="with --trace: list the kernels of the last replay")
+    parser.add_argument("--extremes", action="store_true",
+                        help="with --trace: list the kernels of the fastest and the slowest replay (by span)")
     parser.add_argument("--no-lead", action="store_true",
                         help="with --trace: no spin kernel before each replay (the GPU idle before it)")
     args = parser.parse_args()
-    if args.kernels and not args.trace:
-        parser.error("--kernels lists the kernels of a --trace run: give --trace too")
+    if (args.kernels or args.extremes) and not args.trace:
+        parser.error("--kernels and --extremes list the kernels of a --trace run: give --trace too")
     case = cases.parse_shape(args.shape, atol=0.0)
     inputs = cases.make_inputs(case, seed=0, xp=cupy)
     plan = cupy_xattn.plan(case.batch_size, case.num_video_tokens, case.num_text_tokens, precision=args.precision)
@@ -50,7 +53,7 @@ def main():
         cupy.cuda.profiler.stop()
         return
     if args.trace:
-        trace(lambda: plan(**inputs, out=out), args.reps, args.kernels, lead=not args.no_lead)
+        trace(lambda: plan(**inputs, out=out), args.reps, args.kernels, lead=not args.no_lead, extremes=args.extremes)
         return
     single, queued = [], []
     for _ in range(args.reps):
@@ -67,14 +70,16 @@ def main():
           f"before the launch counts), ten queued calls {float(numpy.median(queued)):.1f} us each (warm L2)")
 
 
-def trace(call, reps, listing=False, lead=True):
+def trace(call, reps, listing=False, lead=True, extremes=False):
     """Per replay: span from the first kernel's start to the last one's end, the time some kernel
     runs (union of the kernels' intervals), the sum of the kernels' durations; span - busy is the
     idle gaps. torch's profiler serves only as a CUPTI front end.
     With ``lead`` (as the benchmark times a call) each replay follows the spin kernel of
     bench.LEAD_CYCLES, left out of the figures, so the host has issued the whole replay before its
     first kernel starts; without it the GPU is idle before each replay, and the host's time to
-    issue the replay can show as gaps (traces before Session 25 were taken that way)."""
+    issue the replay can show as gaps (traces before Session 25 were taken that way).
+    ``extremes`` lists the fastest and the slowest replay: where the spans split into two groups
+    (the lanes' kernels taking the SMs in another order), the two listings show the orders."""
     import cupy
     import torch.profiler
 
@@ -96,6 +101,12 @@ def trace(call, reps, listing=False, lead=True):
             events = json.load(f)["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset") and e["name"] != "lead")
+    print("\n".join(report(split_replays(kernels), listing, extremes)))
+
+
+def split_replays(kernels):
+    """The (start, end, name) kernels of a trace, sorted by start (µs), in replays: a gap of over
+    1 ms after the latest end so far starts a new one."""
     replays, current, reach = [], [], 0.0  # reach: the latest end in the current replay so far
     for kernel in kernels:
         if current and kernel[0] - reach > 1000:
@@ -104,6 +115,12 @@ def trace(call, reps, listing=False, lead=True):
         reach = max(reach, kernel[1]) if current else kernel[1]
         current.append(kernel)
     replays.append(current)
+    return replays
+
+
+def report(replays, listing=False, extremes=False):
+    """Lines: each replay's idle gaps and span, the medians, and the kernels of the last replay
+    (``listing``) and of the fastest and slowest (``extremes``), times from the replay's start."""
     rows = []
     for replay in replays:
         busy, reach = 0.0, replay[0][0]
@@ -114,15 +131,19 @@ def trace(call, reps, listing=False, lead=True):
         total = sum(end - start for start, end, _ in replay)
         rows.append((span, busy, span - busy, 100 * (span - busy) / span, total, span / total, len(replay)))
     span, busy, gaps, share, total, ratio, count = (float(numpy.median(column)) for column in zip(*rows))
-    print("idle gaps per replay, us:", " ".join(f"{row[2]:.1f}" for row in rows))
-    print(f"{len(rows)} replays, medians of each figure: {count:.0f} kernels and memsets, span {span:.1f} us, "
-          f"busy {busy:.1f} us, idle gaps {gaps:.1f} us ({share:.1f} % of the span), sum of durations "
-          f"{total:.1f} us (span / sum {ratio:.2f})")
-    if listing:
-        origin = replays[-1][0][0]
-        for start, end, name in replays[-1]:
-            print(f"  {start - origin:7.1f} {end - origin:7.1f} {end - start:6.1f}  {name[:100]}")
-
+    lines = ["idle gaps per replay, us: " + " ".join(f"{row[2]:.1f}" for row in rows),
+             "span per replay, us: " + " ".join(f"{row[0]:.1f}" for row in rows),
+             f"{len(rows)} replays, medians of each figure: {count:.0f} kernels and memsets, span {span:.1f} us, "
+             f"busy {busy:.1f} us, idle gaps {gaps:.1f} us ({share:.1f} % of the span), sum of durations "
+             f"{total:.1f} us (span / sum {ratio:.2f})"]
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+    listed = [("last", len(replays) - 1)] * listing + [("fastest", order[0]), ("slowest", order[-1])] * extremes
+    for label, i in listed:
+        origin = replays[i][0][0]
+        lines.append(f"{label} replay, span {rows[i][0]:.1f} us:")
+        lines += [f"  {start - origin:7.1f} {end - origin:7.1f} {end - start:6.1f}  {name[:100]}"
+                  for start, end, name in replays[i]]
+    return lines
 
 if __name__ == "__main__":
     main()

@@ -219,3 +219,19 @@ def test_nonfinite_classes_tells_finite_infinities_and_nan_apart():
     classes = _script("nonfinite_classes").classes
     x = numpy.array([0.0, -1.5, numpy.inf, -numpy.inf, numpy.nan])
     assert classes(x).tolist() == [0, 0, 1, 2, 3]
+
+
+def test_graph_kernels_splits_replays_and_lists_the_fastest_and_slowest():
+    graph_kernels = _script("graph_kernels")
+    # Three replays 2 ms apart: spans 10, 30 (two kernels side by side, 5 µs idle) and 20 µs.
+    kernels = [(0.0, 10.0, "a"), (2000.0, 2010.0, "a"), (2005.0, 2025.0, "b"), (2030.0, 2030.0, "c"),
+               (4000.0, 4020.0, "a")]
+    replays = graph_kernels.split_replays(kernels)
+    assert [len(r) for r in replays] == [1, 3, 1]
+    lines = graph_kernels.report(replays, listing=True, extremes=True)
+    assert lines[0] == "idle gaps per replay, us: 0.0 5.0 0.0"
+    assert lines[1] == "span per replay, us: 10.0 30.0 20.0"
+    headers = [line for line in lines if line.endswith("us:") and "replay," in line]
+    assert headers == ["last replay, span 20.0 us:", "fastest replay, span 10.0 us:", "slowest replay, span 30.0 us:"]
+    slowest = lines[lines.index("slowest replay, span 30.0 us:") + 1:]
+    assert [line.split()[-1] for line in slowest] == ["a", "b", "c"] and slowest[1].split()[0] == "5.0"
