@@ -11,7 +11,8 @@ scripts/initcheck_probe.py kernels 1x100x93``:
                token and with padded lengths (and the backward reading an fp16 [K0 | V0] where
                attention_bwd.half_kv says, and fp16 Q0 and dO too where half_qdo says: the lean
                kernel's fp16 build; in tf32 also writing O^T, and O^T with dQ^T and dQ's
-               column sums where dQ is whole), then the fp16 scaling (copies and remainders) and
+               column sums where dQ is whole), then the fp16 scaling (copies and remainders,
+               and bq's copy at Q0's scale, as the fp16 mode's first group writes it) and
                the tf32 mode's transposes (weights side by side, X^T and dY^T apart, [dK | dV]^T)
                on tensors of the backward's sizes; inputs copied from the
                host (cudaMemcpy), outputs poisoned first. A report here is a read of memory our
@@ -146,7 +147,7 @@ def probe_conversions(shape):
     copy, rescale = scaler.group(table.data.ptr, [(size, hi.data.ptr, i, lo.data.ptr, s.data.ptr if c else 0, c, n,
                                                    size) for i, (size, (hi, lo), s, c, n)
                                                   in enumerate(zip(sizes, halves, sums, row_lengths, parts))],
-                                  (d, 0, 2, 2.0 ** -10, bq_half.data.ptr, bq_out.data.ptr))
+                                  (d, 0, 2, attention_bwd.kv_half_alpha(d), bq_half.data.ptr, bq_out.data.ptr))
     copy(), rescale()
     weights_t = cupy.full((d, 4 * d), numpy.nan, numpy.float32)
     x_t = cupy.full((2, d, attention_bwd.o_t_stride(mv)), numpy.nan, numpy.float32)  # X^T, dY^T apart

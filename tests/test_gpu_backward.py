@@ -365,7 +365,7 @@ def test_nan_and_inf_inputs_propagate_as_in_the_reference_and_the_next_call_is_c
         bad[name][index] = value
         with numpy.errstate(invalid="ignore", over="ignore"):
             want = [numpy.isfinite(g) for g in reference.backward(**bad, num_heads=16)]
-        assert not all(w.all() for w in want) and any(w.any() for w in want), name  # both sides tested
+        assert any(w.any() and not w.all() for w in want), name  # some output mixes finite and not
         got = cross_attention_backward(**_on_gpu(bad), precision=precision)
         for output, w, g in zip(CrossAttentionGrads._fields, want, got):
             mismatched = int((cupy.asnumpy(cupy.isfinite(g)) != w).sum())

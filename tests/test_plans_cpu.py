@@ -818,6 +818,8 @@ def test_tf32_weight_gradients_over_many_rows_read_transposes_made_beside_the_at
     assert [lane for _, lane in transposes] == [main, side2, side1, side2] + [side2] * (not attention_writes_dq_t) + [
         side1]
     assert transposes[1][0] < attention < transposes[2][0]
+    # dX on the main lane reads [Wq^T | Wk^T | Wv^T]: the main lane waits for lane 2 after it, before the attention.
+    assert any(transposes[1][0] < i < attention for i in _waits_for(entries, main, side2))
     # What reads the attention's outputs on a side lane waits for it: on lane 2 dQ^T's transpose or
     # else the bias sums, on lane 1 dT.
     first_gemm = lambda lane: next(i for i, e in enumerate(entries)  # noqa: E731
