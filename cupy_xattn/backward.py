@@ -30,8 +30,9 @@ Independent GEMMs run side by side on three lanes (the main stream and two forke
 with its own cuBLAS handle and workspace): Q0, K0|V0 and dO before the attention; after it,
 dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16, fp32: dWo beside the second conversion,
 as it reads the attention's fp16 O; tf32: dX; dQ^T (where the attention does not write it),
-dbo|dbq then dWo|dWq; dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with [Wq^T | Wk^T | Wv^T] made on
-lane 2 before the attention and the transposes of the inputs issued beside it; a pair without
+dbo|dbq then dWo|dWq; dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with K0|V0 on lane 2 and
+[Wq^T | Wk^T | Wv^T] on lane 1 before the attention, and the transposes of the inputs issued
+beside it; a pair without
 transposes has its bias sums on the main lane). On the small shapes
 one GEMM fills a fraction of the SMs, so the lanes overlap what would otherwise run one after the
 other.
@@ -499,16 +500,17 @@ class Backward:
         step("Wo^T", Transposed(at("output_weight"), 1, addr(self._wo_t), d, d), 0)
         gemm(["video_latents", "grad_output"], ["query_weight", addr(self._wo_t)], [addr(self._q0), addr(self._dout)],
              m=mv, n=d, k=d, lda=d, ldb=d, ldc=d, trans_b=True)
+        # K0|V0 on lane 2, where X^T, dY^T (issued after the join) then start behind it, not at once
+        # beside Q0|dO; dX and dT read [Wq^T | Wk^T | Wv^T], made on lane 1 beside K0|V0 (the join
+        # before the attention waits for the two side by side, not in series).
         gemm(["text_embeddings"] * 2, ["key_weight", "value_weight"], [addr(self._kv0), addr(self._kv0, 4 * d)],
-             m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=1)
-        # dX and dT read these; on lane 2, not behind K0|V0's GEMM, so the join before the attention
-        # does not wait for the two in series (lane 2's X^T, dY^T are issued after the join).
+             m=mt, n=d, k=d, lda=d, ldb=d, ldc=2 * d, trans_b=True, lane=2)
         step("[Wq^T | Wk^T | Wv^T]", Transposed(at("query_weight", "key_weight", "value_weight"), 3,
-                                                addr(self._wqkv_t), d, d), 2)
+                                                addr(self._wqkv_t), d, d), 1)
         if self._kv0_half is not None:  # the streamed attention's fp16 [K0 | V0] (attention_bwd.half_kv)
             copy, rescale = self._kv_scaler.group(at(addr(self._kv0)), [(mt * 2 * d, addr(self._kv0_half), 0, 0, 0, 0)])
-            step("[K0 | V0] to fp16", copy, 1)
-            step("fp16 rescale [K0 | V0]", rescale, 1)
+            step("[K0 | V0] to fp16", copy, 2)
+            step("fp16 rescale [K0 | V0]", rescale, 2)
         self._join()
         if video_tn:
             X_T, DY_T, DQ_T = (addr(self._video_t, 4 * i * d * ldv) for i in range(3))
