@@ -32,8 +32,7 @@ dX then dWo|dWq, dT then dWk|dWv, and the bias sums (fp16, fp32: dWo beside the 
 as it reads the attention's fp16 O; tf32: dX; dQ^T (where the attention does not write it),
 dbo|dbq then dWo|dWq; dT, [dK | dV]^T, dbk|dbv then dWk|dWv, with K0|V0 on lane 2 and
 [Wq^T | Wk^T | Wv^T] on lane 1 before the attention, and the transposes of the inputs issued
-beside it; a pair without
-transposes has its bias sums on the main lane). On the small shapes
+beside it; a pair without transposes has its bias sums on the main lane). On the small shapes
 one GEMM fills a fraction of the SMs, so the lanes overlap what would otherwise run one after the
 other.
 
