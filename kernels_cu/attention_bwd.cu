@@ -398,8 +398,8 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 #endif
 }
 
-// s_KV, the scale of the fp16 [K0 | V0] (ATTN_KV_HALF; product_half_scale, as attn_bwd_lean's Q0 and
-// dO from the copies of X and Wq, dY and Wo): its GEMM multiplies the copies of T and
+// s_KV, the scale of the fp16 [K0 | V0] (ATTN_KV_HALF; product_half_scale, as attn_bwd_lean's dO from
+// the copies of dY and Wo): its GEMM multiplies the copies of T and
 // [Wk; Wv], each element under 2^15 in magnitude (half_scaling.cu's window), so each sum is under
 // hidden · 2^30 and the GEMM's alpha, 2^-(16 + ⌈log2 hidden⌉) (backward.py), puts it under 2^14:
 // s_KV = s_T · s_W · alpha. Exponent arithmetic, clamped to fp32's normal range, which it leaves
@@ -409,7 +409,7 @@ __device__ __forceinline__ float o_half_scale(int hidden, const float* inv_t, co
 // passes inv_kv, 1 / s_KV, a power of two (null in the fp16 mode).
 __device__ __forceinline__ float product_half_scale(int hidden, const float* inv_a, const float* inv_b) {
     const int log2_hidden = 32 - __clz(hidden - 1);
-    return pow2(min(max(-exponent_of(*inv_a) - exponent_of(*inv_b) - 16 - log2_hidden, -126), 126));
+    return pow2(product_scale_exponent(-16 - log2_hidden, *inv_a, *inv_b));
 }
 __device__ __forceinline__ float kv_half_scale(int hidden, const float* inv_t, const float* inv_w, const float* inv_kv) {
     return inv_kv ? pow2(-exponent_of(*inv_kv)) : product_half_scale(hidden, inv_t, inv_w);

@@ -29,6 +29,12 @@ __device__ __forceinline__ float remainder_of_half(float x) {
 __device__ __forceinline__ int exponent_of(float x) { return static_cast<int>(__float_as_uint(x) >> 23) - 127; }
 __device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<unsigned>(k + 127) << 23); }
 
+// The exponent of s = 2^e_alpha · s_a · s_b, the scale of an fp16 GEMM's output at alpha 2^e_alpha
+// over copies at scales s_a = 1 / inv_a and s_b = 1 / inv_b, clamped to fp32's normal range.
+__device__ __forceinline__ int product_scale_exponent(int e_alpha, float inv_a, float inv_b) {
+    return min(max(e_alpha - exponent_of(inv_a) - exponent_of(inv_b), -126), 126);
+}
+
 // |x| where x is finite, else 0: maxima over finite elements only (an Inf or NaN does not set a scale).
 __device__ __forceinline__ float finite_abs(float x) {
     const float a = fabsf(x);

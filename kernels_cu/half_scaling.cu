@@ -199,7 +199,7 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
 // can pass 2^14 where |bias| is large against a b, so both are taken times 2^-k, k the least that
 // keeps (2^14 + max|bias · s|) · 2^-k under 2^15 (0 on benchmark-like inputs): out = {alpha · 2^-k, s · 2^-k}
 // (the GEMM's alpha and the scale of its output) and bias = half(bias · s · 2^-k). Powers of two in
-// exponents, clamped to fp32's normal range as attn_bwd's product_half_scale. Block 0 of the
+// exponents, clamped to fp32's normal range (product_scale_exponent, as attn_bwd's). Block 0 of the
 // rescale, every thread; the first PRODUCT_BIAS_CACHED pairs a thread takes are loaded at the
 // kernel's start (load_product_bias), so that their latency overlaps the reads of the scales.
 #define PRODUCT_BIAS_CACHED 2
@@ -236,7 +236,7 @@ __device__ __forceinline__ void for_each_pair(const ProductBias& b, Each each) {
 __device__ void write_product_bias(const ProductBias& b, const long long* spec, const float* inv) {
     if (b.source == nullptr) return;
     const float alpha = __int_as_float(static_cast<int>(spec[3]));
-    const int e_s = min(max(exponent_of(alpha) - exponent_of(inv[spec[1]]) - exponent_of(inv[spec[2]]), -126), 126);
+    const int e_s = product_scale_exponent(exponent_of(alpha), inv[spec[1]], inv[spec[2]]);
     const float s = pow2(e_s);
     float m = 0.f;
     for_each_pair(b, [&](long long, float2 v) { m = fmaxf(m, fmaxf(finite_abs(v.x * s), finite_abs(v.y * s))); });

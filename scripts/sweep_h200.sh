@@ -11,10 +11,16 @@
 # (the lent device machines), the JSON and BENCHMARKS.md are copied there too.
 #
 # Overrides: PRECISIONS (default fp32,tf32,fp16), REPS (50), WARMUP (10),
-# CUPY_XATTN_GIT_COMMIT (the commit recorded when the tree has no .git).
+# CUPY_XATTN_GIT_COMMIT (the commit recorded; required where $OUT is set: the lent machines'
+# copy of the repository carries the working tree, but its git metadata can be older, so git
+# there names a stale commit, as BENCHMARKS.md once recorded "b76e44f+dirty" for a649f15).
 # Runs from the checkout, no install: PYTHONPATH is set to the repo root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${OUT:-}" ] && [ -z "${CUPY_XATTN_GIT_COMMIT:-}" ]; then
+    echo "sweep_h200.sh: give CUPY_XATTN_GIT_COMMIT=<the checkout's short hash> (git here may be stale)" >&2
+    exit 2
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"
 PRECISIONS="${PRECISIONS:-fp32,tf32,fp16}"

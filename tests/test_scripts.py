@@ -235,3 +235,13 @@ def test_graph_kernels_splits_replays_and_lists_the_fastest_and_slowest():
     assert headers == ["last replay, span 20.0 us:", "fastest replay, span 10.0 us:", "slowest replay, span 30.0 us:"]
     slowest = lines[lines.index("slowest replay, span 30.0 us:") + 1:]
     assert [line.split()[-1] for line in slowest] == ["a", "b", "c"] and slowest[1].split()[0] == "5.0"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_the_device_sweep_refuses_to_run_without_the_commit_it_records(tmp_path):
+    # On the lent machines ($OUT set) git can name a stale commit: the hash must be given.
+    script = Path(__file__).resolve().parent.parent / "scripts" / "sweep_h200.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": "false"}
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and "CUPY_XATTN_GIT_COMMIT" in run.stderr
+    assert not any(tmp_path.iterdir())
