@@ -2,8 +2,10 @@
 reference's, on 2x256x77 with one NaN or Inf input element (docs/reliability.md, Known risks).
 
     PYTHONPATH=. python3 scripts/nonfinite_classes.py
+    PYTHONPATH=. python3 scripts/nonfinite_classes.py --dwo   (the fp32 mode's NaN in dWo, traced)
 """
 import collections
+import sys
 
 import numpy
 
@@ -41,5 +43,35 @@ def main():
                   flush=True)
 
 
+def dwo_nan_rule(copy, remainder):
+    """Where Inf · (copy + remainder), formed as the 3xFP16 products Inf·remainder then + Inf·copy,
+    is NaN: a zero remainder (Inf · 0), or one of the other sign than the copy (Inf − Inf)."""
+    return (remainder == 0) | (numpy.sign(remainder) != numpy.sign(copy))
+
+
+def trace_dwo():
+    """The fp32 mode, +Inf at dY[0, 0, 0]: dWo's row 0 is Inf · O[0, :]; compare its NaN elements
+    with dwo_nan_rule over O's fp16 copy and remainder, read from the plan (Session 36)."""
+    import cupy
+
+    import cupy_xattn
+
+    case = next(c for c in cases.load_suite("sol-execbench") if c.label == "2x256x77")
+    inputs = cases.make_inputs(case, seed=9)
+    inputs["grad_output"][0, 0, 0] = numpy.inf
+    plan = cupy_xattn.plan(case.batch_size, case.num_video_tokens, case.num_text_tokens, precision="fp32")
+    got = cupy.asnumpy(plan(**{k: cupy.asarray(a) for k, a in inputs.items()}).grad_output_weight[0])
+    (program, _), = plan._programs.values()
+    d, base = inputs["output_weight"].shape[0], program._halves.data.ptr
+    copy, remainder = (cupy.asnumpy(program._halves[(int(ptr) - base) // 2:][:d]).astype(numpy.float64)
+                       for ptr in (program._o_half[0], program._o_half[2]))
+    predicted = dwo_nan_rule(copy, remainder)
+    print(f"dWo row 0: {numpy.isnan(got).sum()} NaN of {d} (reference: all ±Inf); the rule predicts "
+          f"{predicted.sum()} ({(remainder == 0).sum()} zero remainders); agree on {(numpy.isnan(got) == predicted).sum()}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--dwo"]:
+        trace_dwo()
+    else:
+        main()

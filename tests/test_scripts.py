@@ -221,6 +221,15 @@ def test_nonfinite_classes_tells_finite_infinities_and_nan_apart():
     assert classes(x).tolist() == [0, 0, 1, 2, 3]
 
 
+def test_nonfinite_classes_dwo_rule_is_where_inf_times_copy_plus_remainder_is_nan():
+    rule = _script("nonfinite_classes").dwo_nan_rule
+    copy = numpy.array([0.5, 0.5, -0.5, -0.5, 0.5, -0.5])
+    remainder = numpy.array([1e-4, -1e-4, 1e-4, -1e-4, 0.0, 0.0])
+    with numpy.errstate(invalid="ignore"):
+        products = numpy.inf * remainder + numpy.inf * copy  # the correction term first, as the GEMMs add them
+    assert rule(copy, remainder).tolist() == numpy.isnan(products).tolist() == [False, True, True, False, True, True]
+
+
 def test_graph_kernels_splits_replays_and_lists_the_fastest_and_slowest():
     graph_kernels = _script("graph_kernels")
     # Three replays 2 ms apart: spans 10, 30 (two kernels side by side, 5 µs idle) and 20 µs.
