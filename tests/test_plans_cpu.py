@@ -720,6 +720,15 @@ def test_independent_gemms_run_on_three_lanes_forked_and_joined(gpu):
         assert forked and forked[0] < min(i for i, e in enumerate(entries) if e[0] == "gemm" and e[2] == side)
 
 
+def _unbiased_group_size(meta):
+    """The tensor count n of a conversion group without a product bias, from its metadata: counts,
+    destinations, slots, remainders, column sums, parts and part strides (n each), then the
+    product bias's six values, zeros when there is none."""
+    n = (len(meta) - 6) // 7
+    assert meta[7 * n:] == [0] * 6
+    return n
+
+
 def _table_entries(program, address, count):
     """The ``count`` pointer-table entries (names, or addresses) a cuBLAS pointer array at ``address`` holds."""
     first = (address - program._table.device.data.ptr) // 8
@@ -867,9 +876,7 @@ def test_half_modes_add_up_the_column_sums_their_conversions_write_into_the_bias
         expected += [([dy.data.ptr], rows_dy, d), ([dq.data.ptr], rows_dq, d)]
     assert sums == sorted(expected)
     stage_a, stage_b = (meta.values for meta in program._scaler._groups)  # the copy kernels write them
-    n = (len(stage_b) - 6) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part
-    # strides, then a product bias (none: zeros)
-    assert stage_b[7 * n:] == [0] * 6
+    n = _unbiased_group_size(stage_b)
     n_a = 8
     assert stage_a[4 * n_a:5 * n_a] == [0] * 6 + [dy.data.ptr, 0]
     assert stage_b[4 * n:5 * n] == [dq.data.ptr, dkv.data.ptr]
@@ -1347,9 +1354,7 @@ def test_streamed_key_parts_leave_dq_in_parts_summed_once(gpu, monkeypatch, prec
         return
     assert dq_sums == [] and program._dq.size == 0
     stage_b = program._scaler._groups[1].values
-    n = (len(stage_b) - 6) // 7  # meta: counts, destinations, slots, remainders, column sums, parts, part
-    # strides, then a product bias (none: zeros)
-    assert stage_b[7 * n:] == [0] * 6
+    n = _unbiased_group_size(stage_b)
     assert stage_b[5 * n] == 3 and stage_b[6 * n] == 140 * 128 // 4  # dQ's entry: three parts, 140 · 128 apart
     copies = [e[3] for e in entries if e[:2] == ("kernel", "half_copy_absmax")]
     assert _table_entries(program, int(copies[1][0]), n)[0] == parts.data.ptr
