@@ -241,10 +241,15 @@ __device__ __forceinline__ float v_bound_scale(const float* red, float s_kv) {
 }
 
 // The head's bv into shared memory (bv_s, ATTN_HEAD_DIM floats) once a block, for
-// add_to_columns after the block's next barrier (not a global load before each tile's O stores).
-__device__ __forceinline__ void stage_value_bias(float* bv_s, const float* __restrict__ bv) {
+// add_to_columns after the block's next barrier (not a global load before each tile's O stores):
+// a column a thread, read (value_bias_column) and stored (stage_value_bias), apart where the
+// read should be issued before other loads.
+__device__ __forceinline__ float value_bias_column(const float* __restrict__ bv) {
     static_assert(ATTN_HEAD_DIM <= ATTN_THREADS, "a column a thread");
-    if (threadIdx.x < ATTN_HEAD_DIM) bv_s[threadIdx.x] = bv[threadIdx.x];
+    return threadIdx.x < ATTN_HEAD_DIM ? bv[threadIdx.x] : 0.f;
+}
+__device__ __forceinline__ void stage_value_bias(float* bv_s, float bv) {
+    if (threadIdx.x < ATTN_HEAD_DIM) bv_s[threadIdx.x] = bv;
 }
 
 // Store this warp's rows of dS (at scale s_ds) in ds_s and run dv_product (dV += P^T dO, which reads
@@ -500,7 +505,7 @@ attn_bwd(const float* __restrict__ q0, const kv_t* __restrict__ kv0, const float
     // their addresses come from the plan's pointer table, in the order bq, bk, bv.
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const float* bq = biases[0] + col;
-    stage_value_bias(bv_s, biases[2] + col);  // read after pass 1's barriers
+    stage_value_bias(bv_s, value_bias_column(biases[2] + col));  // read after pass 1's barriers
     const auto hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
@@ -808,9 +813,22 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
 
     const int col = blockIdx.y * ATTN_HEAD_DIM;
     const auto hs = head_slices(q0, kv0, dout, o, dq, dkv_part, n_video, n_text, hidden, ld_o, dq_t, dq_sums);
-    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
-    stage_value_bias(bv_s, biases[2] + col);
+    // The scalars first: the tile copies' inline asm orders every memory access, so a load written
+    // after them is issued after them and its use waits out its whole round trip (ncu, fp16
+    // 64x128x77: 13 % of the kernel's stall samples at two such uses; perf-notes Session 36).
     const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
+#if ATTN_QDO_HALF
+    // The copies' inverse scales (half_scaling.cu's slots), in registers; the scale helpers, which
+    // read through pointers, then read these.
+    const float s_q = *q_scale, scales_in[5] = {*inv_t, *inv_w, *inv_bv, *inv_dy, *inv_wo};
+    inv_t = scales_in;
+    inv_w = scales_in + 1;
+    inv_bv = scales_in + 2;
+    inv_dy = scales_in + 3;
+    inv_wo = scales_in + 4;
+#endif
+    const float* const bv_column = biases[2] + col;  // bv's load (below) waits for this pointer's
+    publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     const long long ld_kv = 2LL * hidden;
     const float scale_log2 = scale * 1.4426950408889634f;
@@ -819,7 +837,7 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
 #if ATTN_QDO_HALF
     copy_half_tile<ATTN_BLOCK_Q>(q_tiles, hs.q, hidden, first * ATTN_BLOCK_Q, n_video);
     copy_half_tile<ATTN_BLOCK_Q>(do_tiles, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
-    const float s_q = *q_scale, s_do = product_half_scale(hidden, inv_dy, inv_wo);
+    const float s_do = product_half_scale(hidden, inv_dy, inv_wo);
 #else
     float* q_stage = staging;
     float* do_stage = staging + ATTN_BLOCK_Q * ATTN_HEAD_DIM;
@@ -827,9 +845,11 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     prefetch_tile<ATTN_BLOCK_Q>(do_stage, hs.dout, hidden, first * ATTN_BLOCK_Q, n_video);
     RunScale q_run, do_run;  // the tiles' scales (the runs dK^T and dV^T accumulate over)
 #endif
+    const float bv = value_bias_column(bv_column);
     const float2 s_kv = load_keys_values<NK, false>(k_s, v_s, hs, n_keys, hidden, inv_t, inv_w, inv_kv, red[3], red[4]);
     const float s_k = s_kv.x, s_v = s_kv.y;
     cp_async_commit();
+    stage_value_bias(bv_s, bv);  // read after the first tile's barriers
     const float s_o = o_half_scale(hidden, inv_t, inv_w, inv_bv);
 
     float dk_acc[NT_K][4], dv_acc[NT_K][4];  // dK^T at ds_run.s · s_q, dV^T at P_SCALE · s_do (the latest tile's)
@@ -966,7 +986,7 @@ attn_bwd_resident(const float* __restrict__ q0, const kv_t* __restrict__ kv0,
     // ATTN_KV_HALF: V's largest |element| (red[1]) is read after the first query tile's barrier.
     const float2 s_kv = load_keys_values<NK, true>(k_s, v_s, hs, n_keys, hidden, inv_t, inv_w, inv_kv, red[0], red[1]);
     const float s_k = s_kv.x, s_v = s_kv.y;
-    stage_value_bias(bv_s, biases[2] + col);
+    stage_value_bias(bv_s, value_bias_column(biases[2] + col));
 
     // dK and dV accumulate over the query tiles at the latest tile's operand scales,
     // ds_run.s·q_run.s and P_SCALE·do_run.s (attention_common.cuh).
