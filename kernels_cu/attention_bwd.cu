@@ -816,18 +816,20 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     // The scalars first: the tile copies' inline asm orders every memory access, so a load written
     // after them is issued after them and its use waits out its whole round trip (ncu, fp16
     // 64x128x77: 13 % of the kernel's stall samples at two such uses; perf-notes Session 36).
-    const int n_keys = text_lengths[blockIdx.z];  // keys this sample attends to (padding: 1 ≤ n_keys ≤ n_text)
+    const int n_keys = load_after_wait(text_lengths + blockIdx.z);  // keys this sample attends to (1 ≤ n_keys ≤ n_text)
 #if ATTN_QDO_HALF
     // The copies' inverse scales (half_scaling.cu's slots), in registers; the scale helpers, which
     // read through pointers, then read these.
-    const float s_q = *q_scale, scales_in[5] = {*inv_t, *inv_w, *inv_bv, *inv_dy, *inv_wo};
+    const float s_q = load_after_wait(q_scale), scales_in[5] = {load_after_wait(inv_t), load_after_wait(inv_w),
+                                                                load_after_wait(inv_bv), load_after_wait(inv_dy),
+                                                                load_after_wait(inv_wo)};
     inv_t = scales_in;
     inv_w = scales_in + 1;
     inv_bv = scales_in + 2;
     inv_dy = scales_in + 3;
     inv_wo = scales_in + 4;
 #endif
-    const float* const bv_column = biases[2] + col;  // bv's load (below) waits for this pointer's
+    const float* const bv_column = load_after_wait(biases + 2) + col;  // read between the copies (below)
     publish_o_scale(hidden, inv_t, inv_w, inv_bv, inv_dy, inv_o, alpha_o);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     const long long ld_kv = 2LL * hidden;
