@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import warnings
@@ -213,9 +214,24 @@ def compile_source(source, filename, arch, ptx=False):
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as exc:
             raise CompileError(f"{filename} ({arch}): {exc}\n{nvrtc.getProgramLog(program)}") from None
-        return nvrtc.getPTX(program) if ptx else nvrtc.getCUBIN(program)
+        return nvrtc.getPTX(program) if ptx else whole_elf(nvrtc.getCUBIN(program))
     finally:
         nvrtc.destroyProgram(program)
+
+
+def elf_size(image):
+    """The size an ELF64 image's header implies: the end of its program or its section header table."""
+    ph_offset, sh_offset = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", image, 0x36)
+    return max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
+
+
+def whole_elf(cubin):
+    """``cubin`` with the byte CuPy's ``nvrtc.getCUBIN`` cuts off: it strips a trailing NUL as from
+    text (``cubin[:size - 1]``), which is the ELF's last byte, the top byte of its last header's
+    last 8-byte field (a zero). The driver loads the cut cubin; nvdisasm refuses it. Unchanged
+    where the file is as long as its header says (nvcc's, or a fixed CuPy's)."""
+    return cubin + b"\0" if len(cubin) == elf_size(cubin) - 1 else cubin
 
 
 def _nvrtc_options(arch):

@@ -19,7 +19,7 @@ KERNEL_FILES = [path.name for path in kernels.kernel_files()]
 @pytest.mark.parametrize("filename", KERNEL_FILES)
 def test_every_kernel_compiles(filename, arch):
     cubin = kernels.compile_cubin(filename, arch)
-    assert cubin[:4] == b"\x7fELF"
+    assert cubin[:4] == b"\x7fELF" and len(cubin) == kernels.elf_size(cubin)  # whole (kernels.whole_elf)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -381,3 +381,39 @@ def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access(arc
             seen[entry.group(1)] = seen.get(entry.group(1), True) and ok  # in every build
     expected = kernels.kernel_names() - (set() if arch == "sm_90a" else _SM90A_KERNELS)
     assert set(seen) == expected and all(seen.values()), seen
+
+
+def _nvdisasm():
+    """nvdisasm from PATH or from the nvidia-cuda-nvdisasm wheel (the test extra), else None."""
+    import glob
+    import sysconfig
+    wheel = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm*"))
+    return shutil.which("nvdisasm") or (wheel[0] if wheel else None)
+
+
+# SASS of global memory: loads, stores, atomics, reductions, the async and bulk copies.
+_SASS_GLOBAL_ACCESS = re.compile(r"^(?:LDG|STG|LD|ST|LDGSTS|ATOM|ATOMG|RED|REDG|UTMALDG|UTMASTG|UBLKCP)(?:\.|$)")
+
+
+def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access_in_sass(tmp_path):
+    """The same in the machine code: ptxas may schedule a load above griddepcontrol.wait (ACQBULK)
+    although the PTX has it below (it did so with attn_bwd_lean's read-only scalar loads in Session
+    36; load_after_wait keeps them behind it), so each entry point's first global memory
+    instruction must come after its ACQBULK."""
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm, in the test extra)")
+    import subprocess
+    seen = {}
+    for i, (filename, defines) in enumerate(_PTX_BUILDS + _SM90A_BUILDS):
+        cubin = tmp_path / f"{i}.cubin"
+        cubin.write_bytes(kernels.compile_cubin(filename, "sm_90a" if (filename, defines) in _SM90A_BUILDS else "sm_90",
+                                                defines))
+        sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        for name, body in re.findall(r"\.global\s+(\w+)(.*?)(?=\.global\s|\Z)", sass, re.DOTALL):
+            opcodes = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", body)]
+            wait = opcodes.index("ACQBULK") if "ACQBULK" in opcodes else len(opcodes)
+            early = [op for op in opcodes[:wait] if _SASS_GLOBAL_ACCESS.match(op)]
+            seen[name] = seen.get(name, True) and "ACQBULK" in opcodes and not early
+    assert set(seen) == kernels.kernel_names() and all(seen.values()), seen
+
