@@ -4,8 +4,8 @@ reference's, on 2x256x77 with one NaN or Inf input element (docs/reliability.md,
     PYTHONPATH=. python3 scripts/nonfinite_classes.py
     PYTHONPATH=. python3 scripts/nonfinite_classes.py --dwo   (the fp32 mode's NaN in dWo, traced)
 """
+import argparse
 import collections
-import sys
 
 import numpy
 
@@ -65,13 +65,18 @@ def trace_dwo():
     d, base = inputs["output_weight"].shape[0], program._halves.data.ptr
     copy, remainder = (cupy.asnumpy(program._halves[(int(ptr) - base) // 2:][:d]).astype(numpy.float64)
                        for ptr in (program._o_half[0], program._o_half[2]))
+    with numpy.errstate(all="ignore"):
+        want = reference.backward(**inputs, num_heads=16).grad_output_weight[0]
+    assert numpy.isinf(want).all(), "the reference's dWo row 0 should be all ±Inf here"
     predicted = dwo_nan_rule(copy, remainder)
     print(f"dWo row 0: {numpy.isnan(got).sum()} NaN of {d} (reference: all ±Inf); the rule predicts "
           f"{predicted.sum()} ({(remainder == 0).sum()} zero remainders); agree on {(numpy.isnan(got) == predicted).sum()}")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--dwo"]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dwo", action="store_true", help="where the fp32 mode's NaN in dWo come from")
+    if parser.parse_args().dwo:
         trace_dwo()
     else:
         main()
