@@ -66,6 +66,19 @@ def _ours_cell(row):
     return cell + (" NaN!" if row["status"] == "nan" else "")
 
 
+def _floor_bound(row):
+    """Issue #5's bound on a case, 1.5 × its floor + 10 µs, where the floor is the time at the
+    ceiling (GFLOP over the mode's measured GEMM rate: median × "of ceiling"); None without one."""
+    if row is None or not row.get("fraction_of_ceiling"):
+        return None
+    return 1.5 * row["median_us"] * row["fraction_of_ceiling"] + 10.0
+
+
+def _bound_cell(row):
+    bound = _floor_bound(row)
+    return "–" if bound is None else f"{_num(bound)} {'✓' if row['median_us'] <= bound else '✗'}"
+
+
 def _baseline_cell(row):
     if row is None:
         return "–"
@@ -81,14 +94,14 @@ def _precision_section(precision, rows, case_order, baselines):
     for r in rows:
         if r["impl"] in baselines and (r["impl"].startswith("torch-") or r["precision"] == precision):
             others[(r["impl"], _case_key(r))] = r
-    header = (["case", "GFLOP", "cupy_xattn µs (p20–p80)", "TFLOP/s", "of ceiling", "host µs"]
+    header = (["case", "GFLOP", "cupy_xattn µs (p20–p80)", "TFLOP/s", "of ceiling", "1.5 × floor + 10 µs", "host µs"]
               + [f"{b} µs" for b in baselines] + ["× vs torch-tf32-graph"])
     table = []
     for key in case_order:
         r = ours.get(key)
         gflop = r["gflop"] if r else next((o["gflop"] for (i, k), o in others.items() if k == key), None)
         table.append([_case_label(key), _num(gflop), _ours_cell(r),
-                      _num(r and r.get("tflops")), _pct(r and r.get("fraction_of_ceiling")),
+                      _num(r and r.get("tflops")), _pct(r and r.get("fraction_of_ceiling")), _bound_cell(r),
                       _num(r and r.get("host_us"))]
                      + [_baseline_cell(others.get((b, key))) for b in baselines]
                      + [_times(r and r.get("speedup_vs_torch_tf32_graph"))])
@@ -102,9 +115,11 @@ def _precision_section(precision, rows, case_order, baselines):
         return "–"
 
     if mine:
+        bounded = [r for r in ours.values() if _floor_bound(r) is not None]
+        within = sum(r["median_us"] <= _floor_bound(r) for r in bounded)
         table.append([f"**suite mean** ({mine['n_cases']} cases)", "", f"**{_num(mine['mean_us'])}**",
                       _num(mine["mean_tflops"]), _pct(mine["mean_fraction_of_ceiling"]),
-                      _num(mine["mean_host_us"])]
+                      f"{within} / {len(bounded)} within" if bounded else "–", _num(mine["mean_host_us"])]
                      + [baseline_mean(b) for b in baselines]
                      + [_times(mine["speedup_vs_torch_tf32_graph"])])
     errors = [r for r in ours.values() if r["status"] not in ("ok", "nan")]
@@ -151,6 +166,8 @@ def render(result, title="Benchmarks"):
            "- TFLOP/s = (10·Mv·D² + 12·Mt·D² + 12·Mv·Nt·D) / time (the benchmark's WORKLOAD.md; `cases.flops`); "
            "\"of ceiling\" = TFLOP/s / this card's measured GEMM rate at that precision (cupy_xattn's "
            "fp32: a third of the fp16 rate, since that mode runs each product as three fp16 GEMMs); "
+           "1.5 × floor + 10 µs = issue #5's bound on each case, the floor being its time at the ceiling "
+           "(median × \"of ceiling\"), ✓ where the median is within it; "
            "× vs torch-tf32-graph = torch-tf32-graph time / cupy_xattn time (> 1: we are faster).",
            "- torch rows: PyTorch autograd of the same layer, forward recompute + backward, "
            "strict fp32 or TF32 matmuls, eager or replayed from a CUDA graph.", ""]

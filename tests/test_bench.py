@@ -300,6 +300,13 @@ def _load_md_writer():
     return module
 
 
+def test_benchmarks_md_marks_the_cases_within_the_floor_bound():
+    result = _sample_result()
+    result["rows"][0]["median_us"] = 15.0  # 2 GFLOP at 400 TFLOP/s: a 5 µs floor, a bound of 17.5
+    text = _load_md_writer().render(result)
+    assert "| 17.5 ✓ |" in text and "| 40.0 ✗ |" in text and "| 1 / 2 within |" in text
+
+
 def test_benchmarks_md_from_json(tmp_path):
     path = tmp_path / "sweep.json"
     path.write_text(bench.format_rows(_sample_result(), "json"))
@@ -310,6 +317,8 @@ def test_benchmarks_md_from_json(tmp_path):
     assert "| B=2 Nv=256 Nt=77 |" in text
     assert "3.00×" in text                            # 300 us torch / 100 us ours
     assert "**suite mean** (2 cases)" in text
+    # Issue #5's bound, 1.5 × floor + 10 µs: floors of 5 and 20 µs (2 and 8 GFLOP at 400 TFLOP/s)
+    assert "| 17.5 ✗ |" in text and "| 40.0 ✗ |" in text and "| 0 / 2 within |" in text
     assert "## Ceilings measured on this card" in text and "400.0 TFLOP/s" in text
     assert "every case" not in text and "error: ValueError: nope" in text
     # A second sweep (other layer sizes) is appended as its own part.
