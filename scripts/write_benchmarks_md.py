@@ -68,8 +68,9 @@ def _ours_cell(row):
 
 def _floor_bound(row):
     """Issue #5's bound on a case, 1.5 × its floor + 10 µs, where the floor is the time at the
-    ceiling (GFLOP over the mode's measured GEMM rate: median × "of ceiling"); None without one."""
-    if row is None or not row.get("fraction_of_ceiling"):
+    ceiling (GFLOP over the mode's measured GEMM rate: median × "of ceiling"); None without one, or
+    where the row did not time ok (a NaN result is not within any bound)."""
+    if row is None or row["status"] != "ok" or not row.get("fraction_of_ceiling"):
         return None
     return 1.5 * row["median_us"] * row["fraction_of_ceiling"] + 10.0
 

@@ -411,7 +411,7 @@ def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access_in_
                                                 defines))
         sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
         for name, body in re.findall(r"\.global\s+(\w+)(.*?)(?=\.global\s|\Z)", sass, re.DOTALL):
-            opcodes = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", body)]
+            opcodes = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", body)]
             wait = opcodes.index("ACQBULK") if "ACQBULK" in opcodes else len(opcodes)
             early = [op for op in opcodes[:wait] if _SASS_GLOBAL_ACCESS.match(op)]
             seen[name] = seen.get(name, True) and "ACQBULK" in opcodes and not early
