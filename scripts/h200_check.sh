@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session verifies, in one device call (~7 minutes on a warm H200, 6 of them the tests):
-# every GPU test with the GPU required, the full sweep with baselines and ceilings
+# every GPU test with the GPU required and the machine-code (sass) tests with its compiler, the full sweep with baselines and ceilings
 # (scripts/sweep_h200.sh: benchmarks/*.json and BENCHMARKS.md), and the accuracy tables.
 #
 #   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh
@@ -18,7 +18,9 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 CUPY_XATTN_REQUIRE_GPU=1
 out="${OUT:-$PWD}"
 status=0
 
-python3 -m pytest tests -m gpu -q --tb=short --durations=25 2>&1 | tee "$out/pytest_gpu.log" | tail -5 || status=1
+# Every GPU test, and the machine-code checks (marker sass) with this machine's NVRTC and nvdisasm
+# (CI's are other versions).
+python3 -m pytest tests -m "gpu or sass" -q --tb=short --durations=25 2>&1 | tee "$out/pytest_gpu.log" | tail -5 || status=1
 bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
 grep -A14 "suite means" "$out/sweep_table.txt"
 python3 scripts/accuracy_table.py --commit "${CUPY_XATTN_GIT_COMMIT:-unknown}" > "$out/accuracy.md" || status=1

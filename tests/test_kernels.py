@@ -384,17 +384,19 @@ def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access(arc
 
 
 def _nvdisasm():
-    """nvdisasm from PATH or from the nvidia-cuda-nvdisasm wheel (the test extra), else None."""
+    """nvdisasm from PATH, the CUDA toolkit's bin or the nvidia-cuda-nvdisasm wheel (the test extra), else None."""
     import glob
     import sysconfig
-    wheel = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm*"))
-    return shutil.which("nvdisasm") or (wheel[0] if wheel else None)
+    found = glob.glob(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm"))
+    found += glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm*"))
+    return shutil.which("nvdisasm") or (found[0] if found else None)
 
 
 # SASS of global memory: loads, stores, atomics, reductions, the async and bulk copies.
 _SASS_GLOBAL_ACCESS = re.compile(r"^(?:LDG|STG|LD|ST|LDGSTS|ATOM|ATOMG|RED|REDG|UTMALDG|UTMASTG|UBLKCP)(?:\.|$)")
 
 
+@pytest.mark.sass
 def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access_in_sass(tmp_path):
     """The same in the machine code: ptxas may schedule a load above griddepcontrol.wait (ACQBULK)
     although the PTX has it below (it did so with attn_bwd_lean's read-only scalar loads in Session
