@@ -116,6 +116,17 @@ __device__ __forceinline__ float4 load_streaming(const float4* p) {
     return v;
 }
 
+// The largest of the block's values, in every thread, for values that are non-negative floats given
+// as their bits (which then order as the floats do). One barrier; each kernel calls it once.
+__device__ __forceinline__ unsigned block_max_bits(unsigned bits) {
+    for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
+    __shared__ unsigned warp_max[HALF_THREADS / 32];
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
+    __syncthreads();
+    for (int w = 0; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
+    return bits;
+}
+
 // y[j] = half(v · s), and lo[j] = its remainder when lo is not null.
 __device__ __forceinline__ void store_scaled(uint2* y, uint2* lo, long long j, float4 v, float s) {
     const float a = v.x * s, b = v.y * s, c = v.z * s, d = v.w * s;
@@ -180,15 +191,8 @@ half_copy_absmax(const float4* const* __restrict__ sources, const long long* __r
         sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
     });
     if (sums != nullptr) sums[g] = sum;  // [g / cols4][g % cols4] of float4s: the layout above
-    unsigned bits = __float_as_uint(m);
-    for (int off = 16; off > 0; off /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, off));
-    __shared__ unsigned warp_max[HALF_THREADS / 32];
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < HALF_THREADS / 32; ++w) bits = max(bits, warp_max[w]);
-        atomicMax(st.amax_bits + p * n_slots + slot, bits);  // max is order-independent: deterministic
-    }
+    const unsigned bits = block_max_bits(__float_as_uint(m));
+    if (threadIdx.x == 0) atomicMax(st.amax_bits + p * n_slots + slot, bits);  // max is order-independent: deterministic
 }
 
 // A GEMM's bias at the scale of the GEMM's fp16 output, from the scales of its operands' copies
@@ -240,11 +244,7 @@ __device__ void write_product_bias(const ProductBias& b, const long long* spec, 
     const float s = pow2(e_s);
     float m = 0.f;
     for_each_pair(b, [&](long long, float2 v) { m = fmaxf(m, fmaxf(finite_abs(v.x * s), finite_abs(v.y * s))); });
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    __shared__ float warp_max[HALF_THREADS / 32];
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    for (int w = 0; w < HALF_THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
+    m = __uint_as_float(block_max_bits(__float_as_uint(m)));
     const int e_out = max(e_s - max(exponent_of(16384.f + m) - 14, 0), -126);  // 2^14 + m < 2^(exponent + 1)
     const float f = pow2(e_out);
     unsigned* bias = reinterpret_cast<unsigned*>(spec[4]);  // pairs of fp16
