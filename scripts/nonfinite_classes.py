@@ -19,11 +19,16 @@ def classes(x):
     return numpy.select([x == numpy.inf, x == -numpy.inf, numpy.isnan(x)], [1, 2, 3], 0)
 
 
+def _case_and_inputs():
+    """The suite's 2x256x77 case and its inputs (NumPy, seed 9), as both checks draw them."""
+    case = next(c for c in cases.load_suite("sol-execbench") if c.label == "2x256x77")
+    return case, cases.make_inputs(case, seed=9)
+
+
 def main():
     import cupy
 
-    case = next(c for c in cases.load_suite("sol-execbench") if c.label == "2x256x77")
-    inputs = cases.make_inputs(case, seed=9)
+    _, inputs = _case_and_inputs()
     for name, index, value in (("video_latents", (0, 0, 0), numpy.nan), ("key_weight", (0, 0), numpy.inf),
                                ("grad_output", (0, 0, 0), numpy.inf)):
         bad = {key: array.copy() for key, array in inputs.items()}
@@ -56,8 +61,7 @@ def trace_dwo():
 
     import cupy_xattn
 
-    case = next(c for c in cases.load_suite("sol-execbench") if c.label == "2x256x77")
-    inputs = cases.make_inputs(case, seed=9)
+    case, inputs = _case_and_inputs()
     inputs["grad_output"][0, 0, 0] = numpy.inf
     plan = cupy_xattn.plan(case.batch_size, case.num_video_tokens, case.num_text_tokens, precision="fp32")
     got = cupy.asnumpy(plan(**{k: cupy.asarray(a) for k, a in inputs.items()}).grad_output_weight[0])
