@@ -145,5 +145,6 @@ def report(replays, listing=False, extremes=False):
                   for start, end, name in replays[i]]
     return lines
 
+
 if __name__ == "__main__":
     main()
