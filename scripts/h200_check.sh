@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Everything a GPU session verifies, in one device call (~7 minutes on a warm H200, 6 of them the tests):
-# every GPU test with the GPU required and the machine-code (sass) tests with its compiler, the full sweep with baselines and ceilings
-# (scripts/sweep_h200.sh: benchmarks/*.json and BENCHMARKS.md), and the accuracy tables.
+# Everything a GPU session verifies: every GPU test with the GPU required and the machine-code
+# (sass) tests with its compiler, the full sweep with baselines and ceilings (scripts/sweep_h200.sh:
+# benchmarks/*.json and BENCHMARKS.md), and the accuracy tables.
 #
-#   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh
+#   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh [tests | sweep]
+#
+# With no part, both in one call. The tests, run one after another, took ~6 minutes on a warm H200
+# and over the device tool's 600 s on a fresh machine, where NVRTC first builds every kernel
+# (Session 37: cut at 86 % of them); they now run as SHARDS (4) processes side by side. Where one
+# call is still too long: "tests", then "sweep" (the sweep and the accuracy tables).
 #
 # Give the hash of the checkout as it is here, literally: the device's copy of the repository
-# carries the working tree, but its git metadata can be older (seen: a whole session long).
+# carries the working tree (whatever branch is checked out), but its git metadata can be older.
 #
 # Results go to $OUT when set (the device tool's folder), else to the current folder; copy
 # BENCHMARKS.md, benchmarks/h200-latest.json and accuracy.md (as docs/accuracy.md) back.
-# It leaves six files under $OUT, and the device tool returns at most eight from a call (the
+# It leaves at most six files under $OUT, and the device tool returns at most eight from a call (the
 # rest are lost: Session 25 lost its JSON and test log that way), so add at most two of your own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,11 +23,32 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 CUPY_XATTN_REQUIRE_GPU=1
 out="${OUT:-$PWD}"
 status=0
 
+part="${1:-all}"
+case "$part" in all|tests|sweep) ;; *) echo "h200_check.sh: the part is tests or sweep, not '$part'" >&2; exit 2;; esac
+
 # Every GPU test, and the machine-code checks (marker sass) with this machine's NVRTC and nvdisasm
 # (CI's are other versions).
-python3 -m pytest tests -m "gpu or sass" -q --tb=short --durations=25 2>&1 | tee "$out/pytest_gpu.log" | tail -5 || status=1
-bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
-grep -A14 "suite means" "$out/sweep_table.txt"
-python3 scripts/accuracy_table.py --commit "${CUPY_XATTN_GIT_COMMIT:-unknown}" > "$out/accuracy.md" || status=1
-if grep -q FAIL "$out/accuracy.md"; then echo "accuracy: some case FAILS the benchmark rule"; status=1; fi
+# SHARDS pytest processes side by side on the one GPU (tests/conftest.py's CUPY_XATTN_TEST_SHARD),
+# so that a fresh machine's NVRTC builds use SHARDS of its cores; their logs, one after the other,
+# make pytest_gpu.log.
+if [ "$part" != sweep ]; then
+    shards="${SHARDS:-4}"
+    pids=()
+    for k in $(seq 0 $((shards - 1))); do
+        CUPY_XATTN_TEST_SHARD="$k/$shards" python3 -m pytest tests -m "gpu or sass" -q --tb=short --durations=10 \
+            -p no:cacheprovider > "$out/pytest_gpu.$k.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    for k in $(seq 0 $((shards - 1))); do
+        echo "== shard $k/$shards"; cat "$out/pytest_gpu.$k.log"; rm "$out/pytest_gpu.$k.log"
+    done > "$out/pytest_gpu.log"
+    grep -E "^== shard|passed|failed|error" "$out/pytest_gpu.log" | grep -v "^[.sFE]*$" | tail -12
+fi
+if [ "$part" != tests ]; then
+    bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
+    grep -A14 "suite means" "$out/sweep_table.txt"
+    python3 scripts/accuracy_table.py --commit "${CUPY_XATTN_GIT_COMMIT:-unknown}" > "$out/accuracy.md" || status=1
+    if grep -q FAIL "$out/accuracy.md"; then echo "accuracy: some case FAILS the benchmark rule"; status=1; fi
+fi
 exit $status

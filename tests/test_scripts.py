@@ -1,5 +1,6 @@
 """The scripts/ a GPU session runs parse here: a syntax error (or a merge's conflict markers) would
 otherwise surface only on the device, in its limited time."""
+import os
 import py_compile
 import shutil
 import subprocess
@@ -254,3 +255,24 @@ def test_the_device_sweep_refuses_to_run_without_the_commit_it_records(tmp_path)
     run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert run.returncode == 2 and "CUPY_XATTN_GIT_COMMIT" in run.stderr
     assert not any(tmp_path.iterdir())
+
+
+def _collected(shard, *args):
+    """(return code, test ids, output) of a pytest collection with CUPY_XATTN_TEST_SHARD=shard (None: unset)."""
+    env = {key: value for key, value in os.environ.items() if key != "CUPY_XATTN_TEST_SHARD"}
+    if shard is not None:
+        env["CUPY_XATTN_TEST_SHARD"] = shard
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
+    return run.returncode, [line for line in run.stdout.splitlines() if "::" in line], run.stdout + run.stderr
+
+
+def test_test_shards_partition_the_selected_tests_in_order():
+    # h200_check.sh's parallel shards must run every selected test exactly once.
+    args = ("tests/test_cases.py", "tests/test_checks.py", "-k", "not bogus")
+    rc, whole, log = _collected(None, *args)
+    assert rc == 0 and len(whole) > 10, log
+    shards = [_collected(f"{k}/3", *args)[1] for k in range(3)]
+    assert all(shards) and sum(shards, []) == whole
+    rc, _, log = _collected("3/3", *args)
+    assert rc != 0 and "CUPY_XATTN_TEST_SHARD is k/n" in log
