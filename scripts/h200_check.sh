@@ -13,7 +13,7 @@
 # Give the hash of the checkout as it is here, literally: the device's copy of the repository
 # carries the working tree (whatever branch is checked out), but its git metadata can be older.
 #
-# Results go to $OUT when set (the device tool's folder), else to the current folder; copy
+# Results go to $OUT when set (an absolute path: the device tool's folder), else to the repository root; copy
 # BENCHMARKS.md, benchmarks/h200-latest.json and accuracy.md (as docs/accuracy.md) back.
 # It leaves at most six files under $OUT, and the device tool returns at most eight from a call (the
 # rest are lost: Session 25 lost its JSON and test log that way), so add at most two of your own.
@@ -33,17 +33,19 @@ case "$part" in all|tests|sweep) ;; *) echo "h200_check.sh: the part is tests or
 # make pytest_gpu.log.
 if [ "$part" != sweep ]; then
     shards="${SHARDS:-4}"
+    [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "h200_check.sh: SHARDS is a positive integer, not '$shards'" >&2; exit 2; }
     pids=()
-    for k in $(seq 0 $((shards - 1))); do
+    for k in $(seq 0 $((shards - 1))); do  # each its own temporary folder: the processes run at once
         CUPY_XATTN_TEST_SHARD="$k/$shards" python3 -m pytest tests -m "gpu or sass" -q --tb=short --durations=10 \
-            -p no:cacheprovider > "$out/pytest_gpu.$k.log" 2>&1 &
+            -p no:cacheprovider --basetemp="${TMPDIR:-/tmp}/cupy_xattn_shard$k" > "$out/pytest_gpu.$k.log" 2>&1 &
         pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     for k in $(seq 0 $((shards - 1))); do
         echo "== shard $k/$shards"; cat "$out/pytest_gpu.$k.log"; rm "$out/pytest_gpu.$k.log"
     done > "$out/pytest_gpu.log"
-    grep -E "^== shard|passed|failed|error" "$out/pytest_gpu.log" | grep -v "^[.sFE]*$" | tail -12
+    awk '/^== shard/ {if (shard) print shard ": " last; shard = $3} NF {last = $0} END {print shard ": " last}' \
+        "$out/pytest_gpu.log"  # each shard's pytest summary line
 fi
 if [ "$part" != tests ]; then
     bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
