@@ -12,7 +12,8 @@ import pytest
 
 import builds
 
-SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*"))
+ROOT = Path(__file__).resolve().parent.parent  # the checkout
+SCRIPTS = sorted((ROOT / "scripts").glob("*"))
 
 
 @pytest.mark.parametrize("path", [p for p in SCRIPTS if p.suffix == ".py"], ids=lambda p: p.name)
@@ -28,7 +29,7 @@ def test_shell_script_parses(path):
 
 def _script(name):
     import importlib.util
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    path = ROOT / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -79,12 +80,11 @@ def test_sass_same_reads_the_sources_of_the_folder_it_is_given(tmp_path):
     # The other revision's kernels_cu/ (unpacked to a folder) against this checkout's: an edit in a
     # header must reach the compared source, or every build would compare this tree with itself.
     sass_same = _script("sass_same")
-    root = Path(__file__).resolve().parent.parent
-    shutil.copytree(root / "kernels_cu", tmp_path / "kernels_cu")
+    shutil.copytree(ROOT / "kernels_cu", tmp_path / "kernels_cu")
     common = tmp_path / "kernels_cu" / "attention_common.cuh"
     common.write_text(common.read_text() + "\n// edited\n")
     edited, = sass_same._sources(tmp_path / "kernels_cu", ["attention_bwd.cu"]).values()
-    here, = sass_same._sources(root / "kernels_cu", ["attention_bwd.cu"]).values()
+    here, = sass_same._sources(ROOT / "kernels_cu", ["attention_bwd.cu"]).values()
     assert "// edited" in edited and "// edited" not in here
 
 
@@ -128,11 +128,10 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
     # path), would leave that tree the same as the base, and the device call would measure nothing.
     import shutil
     ablation = _script("attention_ablation")
-    root = Path(__file__).resolve().parent.parent
     assert set(ablation.ABLATIONS) == set(_ABLATIONS)
     for tree in ("base", name):
-        shutil.copytree(root / "kernels_cu", tmp_path / tree / "kernels_cu")
-    for file, text in ablation.edit(name, lambda file: (root / file).read_text()).items():
+        shutil.copytree(ROOT / "kernels_cu", tmp_path / tree / "kernels_cu")
+    for file, text in ablation.edit(name, lambda file: (ROOT / file).read_text()).items():
         (tmp_path / name / file).parent.mkdir(exist_ok=True)
         (tmp_path / name / file).write_text(text)
     timed = _TIMED_BUILDS if not name.startswith("lean_") else _LEAN_BUILDS
@@ -141,7 +140,7 @@ def test_attention_ablations_change_the_builds_they_are_timed_in(name, tmp_path,
         changed = _attention_ptx(tmp_path / name / "kernels_cu", defines, monkeypatch) != base
         assert changed, f"the {name} tree leaves the build {defines} as it is"
     if (tmp_path / name / ablation.LAUNCHER).exists():  # the launcher's blocks per SM, as the tree plans them
-        shutil.copytree(root / "cupy_xattn", tmp_path / name / "cupy_xattn", dirs_exist_ok=True,
+        shutil.copytree(ROOT / "cupy_xattn", tmp_path / name / "cupy_xattn", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(Path(ablation.LAUNCHER).name, "__pycache__"))
         blocks = subprocess.run([sys.executable, "-c", "from cupy_xattn import attention_bwd; "
                                  "print(attention_bwd.kernel_choice(77, 'fp16')[4])"], cwd=tmp_path / name,
@@ -197,7 +196,7 @@ def test_reliability_table_is_the_one_in_the_docs(capsys, monkeypatch):
     # argument checks that alters a message must regenerate it. A precision given applies to every
     # row that does not set its own and is named in the header.
     table = _script("reliability_table")
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    docs = (ROOT / "docs" / "reliability.md").read_text()
     monkeypatch.setattr(sys, "argv", ["reliability_table.py"])
     table.main()
     printed = capsys.readouterr().out
@@ -250,7 +249,7 @@ def test_graph_kernels_splits_replays_and_lists_the_fastest_and_slowest():
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_the_device_sweep_refuses_to_run_without_the_commit_it_records(tmp_path):
     # On the lent machines ($OUT set) git can name a stale commit: the hash must be given.
-    script = Path(__file__).resolve().parent.parent / "scripts" / "sweep_h200.sh"
+    script = ROOT / "scripts" / "sweep_h200.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": "false"}
     run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert run.returncode == 2 and "CUPY_XATTN_GIT_COMMIT" in run.stderr
@@ -263,7 +262,7 @@ def _collected(shard, *args):
     if shard is not None:
         env["CUPY_XATTN_TEST_SHARD"] = shard
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
+                         cwd=ROOT, env=env, capture_output=True, text=True)
     return run.returncode, [line for line in run.stdout.splitlines() if "::" in line], run.stdout + run.stderr
 
 
