@@ -41,11 +41,13 @@ if [ "$part" != sweep ]; then
         pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    : > "$out/pytest_gpu.log"
     for k in $(seq 0 $((shards - 1))); do
-        echo "== shard $k/$shards"; cat "$out/pytest_gpu.$k.log"; rm "$out/pytest_gpu.$k.log"
-    done > "$out/pytest_gpu.log"
-    awk '/^== shard/ {if (shard) print shard ": " last; shard = $3} NF {last = $0} END {print shard ": " last}' \
-        "$out/pytest_gpu.log"  # each shard's pytest summary line
+        log="$out/pytest_gpu.$k.log"
+        echo "shard $k/$shards: $(tail -n 1 "$log")"  # its pytest summary line
+        { echo "== shard $k/$shards"; cat "$log"; } >> "$out/pytest_gpu.log"
+        rm "$log"
+    done
 fi
 if [ "$part" != tests ]; then
     bash scripts/sweep_h200.sh > "$out/sweep_table.txt" 2> "$out/sweep_err.txt" || status=1
