@@ -219,6 +219,18 @@ def compile_source(source, filename, arch, ptx=False):
         nvrtc.destroyProgram(program)
 
 
+def find_nvdisasm():
+    """Path of an nvdisasm, for the machine-code checks (the sass tests, scripts/sass_mix.py and
+    sass_same.py): $NVDISASM, else PATH, the CUDA toolkit's bin ($CUDA_HOME, /usr/local/cuda) or the
+    ``nvidia-cuda-nvdisasm`` wheel (the test extra); None when there is none."""
+    import glob
+    import sysconfig
+    found = [os.environ.get("NVDISASM") or shutil.which("nvdisasm")]
+    found += glob.glob(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm"))
+    found += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm")))
+    return next((path for path in found if path), None)
+
+
 def elf_size(image):
     """The size an ELF64 image's header implies: the end of its program or its section header table."""
     ph_offset, sh_offset = struct.unpack_from("<QQ", image, 0x20)

@@ -7,16 +7,15 @@ Usage:  PYTHONPATH=. python3 scripts/sass_mix.py attention_bwd.cu attn_bwd_resid
 Compiles as the library does (kernels.compile_cubin: NVRTC with CuPy's flags), or with --nvcc
 as ``nvcc -cubin -ftz=true`` (CuPy's -ftz; for a machine whose NVRTC is older than its nvdisasm:
 the CPU machine's CUDA 12 NVRTC and the CUDA 13 wheel), and disassembles with nvdisasm: the
-CUDA toolkit's, or the one in the ``nvidia-cuda-nvdisasm`` wheel (``pip download --no-deps
-nvidia-cuda-nvdisasm``, unzip, ``nvidia/cu13/bin/nvdisasm``; give it with --nvdisasm or
-$NVDISASM). The counts are static: every instruction of the loop body once, so
-both sides of a branch inside it count (a rarely taken path inflates them).
+CUDA toolkit's, or the one in the ``nvidia-cuda-nvdisasm`` wheel (the test extra), as
+``kernels.find_nvdisasm`` finds it, or the one given with --nvdisasm or $NVDISASM. The counts are
+static: every instruction of the loop body once, so both sides of a branch inside it count (a
+rarely taken path inflates them).
 """
 import argparse
 import collections
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 
@@ -85,10 +84,11 @@ def main():
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--nvcc", action="store_true", help="compile with nvcc -ftz=true instead of NVRTC")
-    parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM") or shutil.which("nvdisasm"))
+    parser.add_argument("--nvdisasm", default=kernels.find_nvdisasm(),
+                        help="default: kernels.find_nvdisasm() ($NVDISASM, PATH, the toolkit, the wheel)")
     args = parser.parse_args()
     if not args.nvdisasm:
-        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM (see the docstring for the wheel)")
+        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM, or install the test extra (see the docstring for the wheel)")
     defines = dict(d.split("=", 1) for d in args.defines)
     with tempfile.TemporaryDirectory() as folder:
         if args.nvcc:

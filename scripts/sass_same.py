@@ -13,7 +13,6 @@ import argparse
 import concurrent.futures
 import difflib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,11 +106,12 @@ def main():
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revision", help="the git revision to compare this checkout's kernels_cu/ with")
-    parser.add_argument("--nvdisasm", default=os.environ.get("NVDISASM") or shutil.which("nvdisasm"))
+    parser.add_argument("--nvdisasm", default=kernels.find_nvdisasm(),
+                        help="default: kernels.find_nvdisasm() ($NVDISASM, PATH, the toolkit, the wheel)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     if not args.nvdisasm:
-        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM (see sass_mix.py for the wheel)")
+        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM, or install the test extra (see sass_mix.py for the wheel)")
     here = kernels.source_dir()
     files = sorted({file for _, file, _, _ in BUILDS})
     with tempfile.TemporaryDirectory() as tmp:

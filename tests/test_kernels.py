@@ -383,13 +383,25 @@ def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access(arc
     assert set(seen) == expected and all(seen.values()), seen
 
 
-def _nvdisasm():
-    """nvdisasm from PATH, the CUDA toolkit's bin or the nvidia-cuda-nvdisasm wheel (the test extra), else None."""
-    import glob
+def test_find_nvdisasm_takes_the_environment_then_path_then_the_toolkit_then_the_wheel(tmp_path, monkeypatch):
     import sysconfig
-    found = glob.glob(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm"))
-    found += glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm*"))
-    return shutil.which("nvdisasm") or (found[0] if found else None)
+    toolkit, purelib = tmp_path / "cuda", tmp_path / "site"
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"purelib": str(purelib)})
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.delenv("NVDISASM", raising=False)
+    assert kernels.find_nvdisasm() is None
+    wheel = purelib / "nvidia" / "cu13" / "bin" / "nvdisasm"
+    wheel.parent.mkdir(parents=True)
+    wheel.touch()
+    assert kernels.find_nvdisasm() == str(wheel)
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvdisasm").touch()
+    assert kernels.find_nvdisasm() == str(toolkit / "bin" / "nvdisasm")
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: f"/on/path/{name}")
+    assert kernels.find_nvdisasm() == "/on/path/nvdisasm"
+    monkeypatch.setenv("NVDISASM", "/given/nvdisasm")
+    assert kernels.find_nvdisasm() == "/given/nvdisasm"
 
 
 # SASS of global memory: loads, stores, atomics, reductions, the async and bulk copies.
@@ -402,7 +414,7 @@ def test_every_kernel_compiled_for_sm90_waits_before_its_first_global_access_in_
     although the PTX has it below (it did so with attn_bwd_lean's read-only scalar loads in Session
     36; load_after_wait keeps them behind it), so each entry point's first global memory
     instruction must come after its ACQBULK."""
-    nvdisasm = _nvdisasm()
+    nvdisasm = kernels.find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm, in the test extra)")
     import subprocess
