@@ -36,6 +36,19 @@ def _script(name):
     return module
 
 
+@pytest.mark.parametrize("shape", [(64, 128, 77), (2, 256, 211), (1, 512, 77)])
+def test_fast16_probe_times_the_backwards_projection_gemms(shape):
+    # eight GEMMs whose shapes chain (op(A) is M x K, op(B) is K x N) and whose FLOPs are WORKLOAD.md's
+    # projection part: all of cases.flops but the attention's 12 Mv Nt D
+    from cupy_xattn import cases
+    gemms = _script("fast16_probe").backward_gemms(*shape)
+    b, nv, nt = shape
+    assert len(gemms) == 8 and all(rows in (b * nv, b * nt) for _, rows, *_ in gemms)
+    assert all((rows == k) if trans_a else (rows == m) for _, rows, m, n, k, trans_a, _ in gemms)
+    flop = sum(2 * m * n * k for _, _, m, n, k, _, _ in gemms)
+    assert flop == cases.flops(b, nv, nt, 1024) - 12 * b * nv * nt * 1024
+
+
 def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
     sass_mix = _script("sass_mix")
     sass = """//--------------------- .text.other       --------------------------
