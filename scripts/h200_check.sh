@@ -9,8 +9,9 @@
 # and over the device tool's 600 s on a fresh machine, where NVRTC first builds every kernel
 # (Session 37: cut at 86 % of them); they now run as SHARDS (4) processes side by side. Where one
 # call is still too long: "tests", then "sweep" (the sweep and the accuracy tables). Session 38, warm
-# H200, SHARDS=8: 536 s for the tests (the shards' slices took 107 to 533 s: the slowest decides),
-# 67 s for the sweep part.
+# H200, SHARDS=8: 536 s for the tests (the shards, then contiguous slices, took 107 to 533 s: the
+# slowest decides; since then each shard takes blocks from every part of the suite, conftest.py,
+# not yet run on a GPU), 67 s for the sweep part.
 #
 # Give the hash of the checkout as it is here, literally: the device's copy of the repository
 # carries the working tree (whatever branch is checked out), but its git metadata can be older.

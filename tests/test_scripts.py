@@ -280,16 +280,22 @@ def _collected(shard, *args):
 
 
 def test_test_shards_partition_the_selected_tests_in_order():
-    # h200_check.sh's parallel shards must run every selected test exactly once, in slices of equal
-    # size: taken before -k deselects (a hook that runs too early), they would be uneven.
+    # h200_check.sh's parallel shards must run every selected test exactly once, in the suite's
+    # order, in shards of equal size (taken before -k deselects, by a hook that runs too early,
+    # they would be uneven), each with blocks from every part of the suite (conftest.SHARD_BLOCKS).
+    import conftest
     args = ("tests/test_cases.py", "tests/test_checks.py", "-k", "test_checks")
     rc, whole, log = _collected(None, *args)
-    assert rc == 0 and len(whole) > 10, log
+    assert rc == 0 and len(whole) > 3 * conftest.SHARD_BLOCKS * 2, log
     assert len(whole) < len(_collected(None, *args[:2])[1])  # -k deselects some
     runs = [_collected(f"{k}/3", *args) for k in range(3)]
     assert all(rc == 0 for rc, _, _ in runs), [log for _, _, log in runs]
     shards = [ids for _, ids, _ in runs]
-    assert sum(shards, []) == whole
-    assert {len(ids) for ids in shards} <= {len(whole) // 3, -(-len(whole) // 3)}, shards
+    assert sorted(sum(shards, [])) == sorted(whole) and len(sum(shards, [])) == len(whole)
+    assert all(ids == sorted(ids, key=whole.index) for ids in shards)  # each in the suite's order
+    per_block = len(whole) / (3 * conftest.SHARD_BLOCKS)
+    assert max(map(len, shards)) - min(map(len, shards)) <= conftest.SHARD_BLOCKS, shards
+    for k, ids in enumerate(shards):  # block k of the first SHARD_BLOCKS · 3 and one in the last third
+        assert whole[int(k * per_block)] in ids and any(whole.index(i) >= 2 * len(whole) // 3 for i in ids)
     rc, _, log = _collected("3/3", *args)
     assert rc != 0 and "CUPY_XATTN_TEST_SHARD is k/n" in log
