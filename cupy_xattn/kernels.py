@@ -221,14 +221,15 @@ def compile_source(source, filename, arch, ptx=False):
 
 def find_nvdisasm():
     """Path of an nvdisasm, for the machine-code checks (the sass tests, scripts/sass_mix.py and
-    sass_same.py): $NVDISASM, else PATH, the CUDA toolkit's bin ($CUDA_HOME, /usr/local/cuda) or the
-    ``nvidia-cuda-nvdisasm`` wheel (the test extra); None when there is none."""
+    sass_same.py): $NVDISASM where that is a file, else PATH, the CUDA toolkit's bin ($CUDA_HOME,
+    else /usr/local/cuda) or the ``nvidia-cuda-nvdisasm`` wheel (the test extra); None when none is."""
     import glob
     import sysconfig
-    found = [os.environ.get("NVDISASM") or shutil.which("nvdisasm")]
-    found += glob.glob(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm"))
-    found += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm")))
-    return next((path for path in found if path), None)
+    toolkit = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    found = [os.environ.get("NVDISASM", ""), shutil.which("nvdisasm") or ""]
+    found += glob.glob(os.path.join(toolkit, "bin", "nvdisasm*"))
+    found += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "*", "bin", "nvdisasm*")))
+    return next((path for path in found if os.path.isfile(path)), None)
 
 
 def elf_size(image):

@@ -88,7 +88,8 @@ def main():
                         help="default: kernels.find_nvdisasm() ($NVDISASM, PATH, the toolkit, the wheel)")
     args = parser.parse_args()
     if not args.nvdisasm:
-        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM, or install the test extra (see the docstring for the wheel)")
+        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM, or install the test extra "
+                     "(see the docstring for the wheel)")
     defines = dict(d.split("=", 1) for d in args.defines)
     with tempfile.TemporaryDirectory() as folder:
         if args.nvcc:

@@ -111,7 +111,8 @@ def main():
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     if not args.nvdisasm:
-        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM, or install the test extra (see sass_mix.py for the wheel)")
+        parser.error("no nvdisasm: give --nvdisasm or $NVDISASM, or install the test extra "
+                     "(see sass_mix.py for the wheel)")
     here = kernels.source_dir()
     files = sorted({file for _, file, _, _ in BUILDS})
     with tempfile.TemporaryDirectory() as tmp:

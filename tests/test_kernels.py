@@ -389,19 +389,20 @@ def test_find_nvdisasm_takes_the_environment_then_path_then_the_toolkit_then_the
     monkeypatch.setenv("CUDA_HOME", str(toolkit))
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"purelib": str(purelib)})
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
-    monkeypatch.delenv("NVDISASM", raising=False)
+    monkeypatch.setenv("NVDISASM", str(tmp_path / "gone"))  # not a file: passed over
     assert kernels.find_nvdisasm() is None
-    wheel = purelib / "nvidia" / "cu13" / "bin" / "nvdisasm"
-    wheel.parent.mkdir(parents=True)
-    wheel.touch()
-    assert kernels.find_nvdisasm() == str(wheel)
-    (toolkit / "bin").mkdir(parents=True)
-    (toolkit / "bin" / "nvdisasm").touch()
-    assert kernels.find_nvdisasm() == str(toolkit / "bin" / "nvdisasm")
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: f"/on/path/{name}")
-    assert kernels.find_nvdisasm() == "/on/path/nvdisasm"
-    monkeypatch.setenv("NVDISASM", "/given/nvdisasm")
-    assert kernels.find_nvdisasm() == "/given/nvdisasm"
+    found = []
+    for path in (purelib / "nvidia" / "cu13" / "bin" / "nvdisasm", toolkit / "bin" / "nvdisasm.exe",
+                 tmp_path / "on_path" / "nvdisasm", tmp_path / "given"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        if path.parent.name == "on_path":
+            monkeypatch.setattr(kernels.shutil, "which", lambda name, path=path: str(path))
+        if path.name == "given":
+            monkeypatch.setenv("NVDISASM", str(path))
+        found.append(kernels.find_nvdisasm())
+    assert found == [str(purelib / "nvidia" / "cu13" / "bin" / "nvdisasm"), str(toolkit / "bin" / "nvdisasm.exe"),
+                     str(tmp_path / "on_path" / "nvdisasm"), str(tmp_path / "given")]
 
 
 # SASS of global memory: loads, stores, atomics, reductions, the async and bulk copies.

@@ -37,16 +37,20 @@ def _script(name):
 
 
 @pytest.mark.parametrize("shape", [(64, 128, 77), (2, 256, 211), (1, 512, 77)])
-def test_fast16_probe_times_the_backwards_projection_gemms(shape):
-    # eight GEMMs whose shapes chain (op(A) is M x K, op(B) is K x N) and whose FLOPs are WORKLOAD.md's
-    # projection part: all of cases.flops but the attention's 12 Mv Nt D
+def test_fast16_probe_has_the_backwards_projection_gemms(shape):
+    # the eight products of the backward (each output's shape is its gradient's or activation's),
+    # whose FLOPs are WORKLOAD.md's projection part: all of cases.flops but the attention's 12 Mv Nt D
     from cupy_xattn import cases
-    gemms = _script("fast16_probe").backward_gemms(*shape)
+    probe = _script("fast16_probe")
     b, nv, nt = shape
-    assert len(gemms) == 8 and all(rows in (b * nv, b * nt) for _, rows, *_ in gemms)
-    assert all((rows == k) if trans_a else (rows == m) for _, rows, m, n, k, trans_a, _ in gemms)
-    flop = sum(2 * m * n * k for _, _, m, n, k, _, _ in gemms)
-    assert flop == cases.flops(b, nv, nt, 1024) - 12 * b * nv * nt * 1024
+    mv, mt, d = b * nv, b * nt, 1024
+    outputs = [(m, n) for _, _, m, n, _, _, _ in probe.backward_gemms(*shape)]
+    assert outputs == [(mv, d), (mt, 2 * d), (mv, d), (d, d), (mv, d), (d, d), (mt, d), (2 * d, d)]
+    flop = sum(2 * m * n * k for _, _, m, n, k, _, _ in probe.backward_gemms(*shape))
+    assert flop == cases.flops(b, nv, nt, d) - 12 * b * nv * nt * d
+    with pytest.raises(ValueError, match="do not chain"):  # a transpose flag off
+        probe.BACKWARD_GEMMS[3] = ("dY", "O", False, False)  # dWo without dY^T
+        probe.backward_gemms(2, 64, 64)
 
 
 def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
