@@ -7,7 +7,7 @@
 #
 # With no part, both in one call. The tests, run one after another, took ~6 minutes on a warm H200
 # and over the device tool's 600 s on a fresh machine, where NVRTC first builds every kernel
-# (Session 37: cut at 86 % of them); they now run as SHARDS (4) processes side by side. Where one
+# (Session 37: cut at 86 % of them); they now run as SHARDS (8) processes side by side. Where one
 # call is still too long: "tests", then "sweep" (the sweep and the accuracy tables). Session 38, warm
 # H200, SHARDS=8: 536 s for the tests (the shards, then contiguous slices, took 107 to 533 s: the
 # slowest decides; since then each shard takes blocks from every part of the suite, conftest.py,
@@ -35,7 +35,7 @@ case "$part" in all|tests|sweep) ;; *) echo "h200_check.sh: the part is tests or
 # so that a fresh machine's NVRTC builds use SHARDS of its cores; their logs, one after the other,
 # make pytest_gpu.log.
 if [ "$part" != sweep ]; then
-    shards="${SHARDS:-4}"
+    shards="${SHARDS:-8}"
     [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "h200_check.sh: SHARDS is a positive integer, not '$shards'" >&2; exit 2; }
     pids=()
     for k in $(seq 0 $((shards - 1))); do  # each its own temporary folder: the processes run at once
