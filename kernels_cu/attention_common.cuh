@@ -533,9 +533,18 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
 // that this thread copies (copy_half_tile) and later reads back (copied_half_amax).
 template <int ROWS, typename Each>
 __device__ __forceinline__ void for_each_half_piece(Each each) {
-    constexpr int PIECES = ATTN_HEAD_DIM / 8;  // a row
+    // Piece i = threadIdx.x + j · ATTN_THREADS (the block's threads, ATTN_THREADS of them): a trip
+    // count known at compile time, so no bounds check or branch per piece but the last's.
+    constexpr int PIECES = ATTN_HEAD_DIM / 8, N = ROWS * PIECES, FULL = N / ATTN_THREADS;  // PIECES: a row's
 #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * PIECES; i += ATTN_THREADS) each(i / PIECES, i % PIECES * 8);
+    for (int j = 0; j < FULL; ++j) {
+        const int i = threadIdx.x + j * ATTN_THREADS;
+        each(i / PIECES, i % PIECES * 8);
+    }
+    if (N % ATTN_THREADS != 0 && threadIdx.x < N % ATTN_THREADS) {
+        const int i = threadIdx.x + FULL * ATTN_THREADS;
+        each(i / PIECES, i % PIECES * 8);
+    }
 }
 
 // Start copying rows [row0, row0 + ROWS) of a head's ATTN_HEAD_DIM columns of an fp16 tensor, as they
