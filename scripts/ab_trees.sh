@@ -7,7 +7,8 @@
 #   bash scripts/ab_trees.sh .scratch/base .           # PRECISIONS=fp32 REPS=30 SUITE=wan22-a14b TAG=fp32-
 #
 # Prints each tree's per-case table and suite means; JSON per tree to $OUT (or .) as ab-<TAG><n>.json
-# (give each run of one device call its own TAG: a second run would overwrite the first's files).
+# (give each run of one device call its own TAG: a second run would overwrite the first's files);
+# then scripts/ab_compare.py's deltas against tree 1 of every run in that folder so far.
 set -uo pipefail
 PRECISIONS="${PRECISIONS:-tf32,fp16,fp32}"
 REPS="${REPS:-30}"
@@ -25,4 +26,5 @@ for tree in "$@"; do
     python3 -c 'import json, sys; from cupy_xattn import bench; sys.stdout.write(bench.format_rows(json.load(open(sys.argv[1])), "table"))' \
         "$out/ab-$TAG$n.json" || status=1
 done
+python3 "$(dirname "$0")/ab_compare.py" "$out" || status=1
 exit $status

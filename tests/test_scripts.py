@@ -53,6 +53,33 @@ def test_fast16_probe_has_the_backwards_projection_gemms(shape):
         probe.backward_gemms(2, 64, 64)
 
 
+def test_ab_compare_sets_each_tree_against_the_first_of_its_run(tmp_path):
+    import json
+    compare = _script("ab_compare")
+
+    def write(name, times, other=0.0):  # times: {(precision, B, Nv, Nt): µs}; and a row of another impl
+        rows = [{"impl": "cupy_xattn", "precision": c[0], "batch_size": c[1], "num_video_tokens": c[2],
+                 "num_text_tokens": c[3], "median_us": us} for c, us in times.items()]
+        rows.append({"impl": "torch-tf32-graph", "precision": "tf32", "batch_size": 1, "num_video_tokens": 512,
+                     "num_text_tokens": 77, "median_us": other})
+        (tmp_path / name).write_text(json.dumps({"meta": {}, "rows": rows}))
+
+    small, large = ("fp16", 1, 512, 77), ("fp16", 64, 128, 77)
+    write("ab-p11.json", {small: 70.0, large: 400.0}, other=999.0)
+    write("ab-p12.json", {small: 69.0, large: 396.0})
+    write("ab-p21.json", {small: 71.0})
+    write("ab-p22.json", {small: 70.5, large: 390.0})  # large has no base in p2
+    runs = compare.load(tmp_path)
+    assert runs == {"p1": {1: {small: 70.0, large: 400.0}, 2: {small: 69.0, large: 396.0}},
+                    "p2": {1: {small: 71.0}, 2: {small: 70.5, large: 390.0}}}
+    lines = compare.report(runs).splitlines()
+    assert lines[0].split() == ["case", "p1:", "1", "→", "2", "(Δ)", "p2:", "1", "→", "2", "(Δ)"]
+    assert lines[1].split() == ["fp16", "1x512x77", "70.0", "→", "69.0", "(-1.0)", "71.0", "→", "70.5", "(-0.5)"]
+    assert lines[2].split() == ["fp16", "64x128x77", "400.0", "→", "396.0", "(-4.0)", "-"]
+    assert lines[3:] == ["mean fp16 p1 1 → 2: 235.0 → 232.5 (-2.50) over 2 cases",
+                         "mean fp16 p2 1 → 2: 71.0 → 70.5 (-0.50) over 1 cases"]
+
+
 def test_sass_mix_counts_the_longest_loop_of_the_named_kernel():
     sass_mix = _script("sass_mix")
     sass = """//--------------------- .text.other       --------------------------
