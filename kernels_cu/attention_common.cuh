@@ -534,16 +534,12 @@ __device__ __forceinline__ void prefetch_tile(float* stage, const float* __restr
 template <int ROWS, typename Each>
 __device__ __forceinline__ void for_each_half_piece(Each each) {
     // Piece i = threadIdx.x + j · ATTN_THREADS (the block's threads, ATTN_THREADS of them): a trip
-    // count known at compile time, so no bounds check or branch per piece but the last's.
-    constexpr int PIECES = ATTN_HEAD_DIM / 8, N = ROWS * PIECES, FULL = N / ATTN_THREADS;  // PIECES: a row's
+    // count known at compile time, so no bounds check or branch per piece but in a last, partial trip.
+    constexpr int PIECES = ATTN_HEAD_DIM / 8, N = ROWS * PIECES;  // PIECES: a row's
 #pragma unroll
-    for (int j = 0; j < FULL; ++j) {
+    for (int j = 0; j < (N + ATTN_THREADS - 1) / ATTN_THREADS; ++j) {
         const int i = threadIdx.x + j * ATTN_THREADS;
-        each(i / PIECES, i % PIECES * 8);
-    }
-    if (N % ATTN_THREADS != 0 && threadIdx.x < N % ATTN_THREADS) {
-        const int i = threadIdx.x + FULL * ATTN_THREADS;
-        each(i / PIECES, i % PIECES * 8);
+        if ((j + 1) * ATTN_THREADS <= N || i < N) each(i / PIECES, i % PIECES * 8);  // the first: every thread
     }
 }
 
