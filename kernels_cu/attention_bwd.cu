@@ -898,25 +898,32 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         unscale<NT_K>(dp, s_do, s_v);
         publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below
         mask_scores<NT_K>(p, 0, n_keys, score_factor(scale_log2, s_q, s_k), t);
-        float d_row[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
+        // p stays exp2(S − max), unnormalised: the rows' 1 / sum (norm) goes into the factors of
+        // the stores and into D, whose sum is over p ∘ dP (one multiplication a row, not an element).
+        float d_row[2], norm[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float norm = 1.f / exp_row<NT_K, false>(p, h).y;  // every row has a key: n_keys ≥ 1
+            norm[h] = 1.f / exp_row<NT_K, false>(p, h).y;  // every row has a key: n_keys ≥ 1
             float dot = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_K; ++n)
 #pragma unroll
-                for (int i = 2 * h; i < 2 * h + 2; ++i) dot += (p[n][i] *= norm) * dp[n][i];
-            d_row[h] = quad_sum(dot);
+                for (int i = 2 * h; i < 2 * h + 2; ++i) dot += p[n][i] * dp[n][i];
+            d_row[h] = quad_sum(dot) * norm[h];
         }
-        score_grads<NT_K>(dp, p, d_row, scale);  // dS, in the dp registers
+        score_grads<NT_K>(dp, p, d_row, 1.f);  // dS / (norm · scale), in the dp registers
         unsigned p_frag[NK / 16][4], ds_frag[NK / 16][4];
-        store_fragments<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t, p_frag);  // P's scale is fixed: before the wait
+        const float p_factor[2] = {norm[0] * P_SCALE, norm[1] * P_SCALE};
+        store_fragments<NT_K>(p_s, LD_P, r0, p, p_factor, g, t, p_frag);  // P's scale is fixed: before the wait
         __syncthreads();  // red[0]: the tile's largest |dP|
         ds_run.update(ds_observed_scale(red[0], scale));
         const float dk_ratio = ds_run.ratio * q_ratio;
         if (dk_ratio != 1.f) scale_all<NT_K>(dk_acc, dk_ratio);  // block-uniform
-        store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_run.s, g, t, ds_frag);
+        // scale · ds_run.s overflows only for a tile whose dP is ~0 (ds_run.s up to 2^126), whose
+        // elements it multiplies are then ~0: capped, so that 0 · it stays 0.
+        const float ds_scale = fminf(scale * ds_run.s, 3.40282347e38f);
+        const float ds_factor[2] = {norm[0] * ds_scale, norm[1] * ds_scale};
+        store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_factor, g, t, ds_frag);
         fence_operands();
         __syncthreads();  // every row of P and dS is stored
         float o_acc[NT_HD][4], dq_acc[NT_HD][4];

@@ -79,7 +79,8 @@ ABLATIONS = {
                 "            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
                 "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);")],
-    "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
+    "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    if (e1 != e) scale_all<NT>(c, pow2(e1 - e));  // block-uniform\n",
+                "")],
     "dkdv": DKDV,
     "dkdv3": DKDV + [(LAUNCHER, "smem, 2 if rows == 64 and key_split == 1 else 1",
                       "smem, 3 if rows == 64 and key_split == 1 else 1")],
