@@ -834,6 +834,13 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     const long long ld_kv = 2LL * hidden;
     const float scale_log2 = scale * 1.4426950408889634f;
+    // dS is stored times norm · scale · ds_run.s (below), which must stay finite: ds_run.s <
+    // 2^(126 − kKeyShift) / scale. Only a tile whose largest |dP| is below ~2^-107 meets the cap,
+    // which then stores that tile's dS further below 2^14 than its own scale would.
+    constexpr int kKeyShift = log2_of(NK - 1) + 1;  // 2^kKeyShift ≥ NK
+    int e_scale;
+    frexpf(scale, &e_scale);  // scale < 2^e_scale
+    const float ds_cap = pow2(min(126, 126 - kKeyShift - e_scale));
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
     const int first = blockIdx.x * tiles_per_chunk, last = min(first + tiles_per_chunk, n_q_tiles);
 #if ATTN_QDO_HALF
@@ -898,12 +905,14 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         unscale<NT_K>(dp, s_do, s_v);
         publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below
         mask_scores<NT_K>(p, 0, n_keys, score_factor(scale_log2, s_q, s_k), t);
-        // p stays exp2(S − max), unnormalised: the rows' 1 / sum (norm) goes into the factors of
-        // the stores and into D, whose sum is over p ∘ dP (one multiplication a row, not an element).
+        // p stays exp2(S − max − kKeyShift), unnormalised: the rows' 1 / sum (norm) goes into the
+        // stores' factors and into D, whose sum is over p ∘ dP (a multiplication a row, not an
+        // element). The shift keeps a row's sum of p below 1, so that sum, like P's, stays within
+        // max|dP|; norm ≤ 2^kKeyShift (the row's max is one of its terms).
         float d_row[2], norm[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            norm[h] = 1.f / exp_row<NT_K, false>(p, h).y;  // every row has a key: n_keys ≥ 1
+            norm[h] = 1.f / exp_row<NT_K, false, kKeyShift>(p, h).y;  // every row has a key: n_keys ≥ 1
             float dot = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_K; ++n)
@@ -916,12 +925,10 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         const float p_factor[2] = {norm[0] * P_SCALE, norm[1] * P_SCALE};
         store_fragments<NT_K>(p_s, LD_P, r0, p, p_factor, g, t, p_frag);  // P's scale is fixed: before the wait
         __syncthreads();  // red[0]: the tile's largest |dP|
-        ds_run.update(ds_observed_scale(red[0], scale));
+        ds_run.update(fminf(ds_observed_scale(red[0], scale), ds_cap));
         const float dk_ratio = ds_run.ratio * q_ratio;
         if (dk_ratio != 1.f) scale_all<NT_K>(dk_acc, dk_ratio);  // block-uniform
-        // scale · ds_run.s overflows only for a tile whose dP is ~0 (ds_run.s up to 2^126), whose
-        // elements it multiplies are then ~0: capped, so that 0 · it stays 0.
-        const float ds_scale = fminf(scale * ds_run.s, 3.40282347e38f);
+        const float ds_scale = scale * ds_run.s;
         const float ds_factor[2] = {norm[0] * ds_scale, norm[1] * ds_scale};
         store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_factor, g, t, ds_frag);
         fence_operands();

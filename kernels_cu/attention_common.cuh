@@ -807,16 +807,17 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Row half h (rows g and g + 8) of a warp's scores p (log2 units, masked keys at −∞) over all the
-// keys it holds: p becomes exp2(p − the row's max); returns (that max, the row's sum of the new p).
-// MASKED: all of a row's keys here may be masked (a key part of the resident kernel): then the max
-// is −∞ and p = 0.
-template <int NT, bool MASKED>
+// keys it holds: p becomes exp2(p − the row's max − SHIFT); returns (that max, the row's sum of the
+// new p). MASKED: all of a row's keys here may be masked (a key part of the resident kernel): then
+// the max is −∞ and p = 0.
+template <int NT, bool MASKED, int SHIFT = 0>
 __device__ __forceinline__ float2 exp_row(float p[NT][4], int h) {
     float mx = neg_inf();
 #pragma unroll
     for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
     mx = quad_max(mx);
-    const float base = MASKED && mx == neg_inf() ? 0.f : mx;
+    const float row_max = MASKED && mx == neg_inf() ? 0.f : mx;
+    const float base = SHIFT ? row_max + SHIFT : row_max;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NT; ++n)

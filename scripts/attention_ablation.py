@@ -86,7 +86,7 @@ ABLATIONS = {
                       "smem, 3 if rows == 64 and key_split == 1 else 1")],
     "lean_ds_max": [(BWD, "        publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below\n", ""),
                     (BWD, "        __syncthreads();  // red[0]: the tile's largest |dP|\n", ""),
-                    (BWD, "ds_run.update(ds_observed_scale(red[0], scale));", "ds_run.update(1.f);")],
+                    (BWD, "ds_run.update(fminf(ds_observed_scale(red[0], scale), ds_cap));", "ds_run.update(1.f);")],
     "lean_stores": [LEAN_O_STORE, _never("\n        store_dq<NT_HD>(hs.dq,")],
     "lean_o": [(BWD, "        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv\n", ""), LEAN_O_STORE],
 }
