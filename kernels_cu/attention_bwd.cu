@@ -837,7 +837,8 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     // dS is stored times norm · scale · ds_run.s (below), which must stay finite: ds_run.s <
     // 2^(126 − kKeyShift) / scale. Only a tile whose largest |dP| is below ~2^-107 meets the cap,
     // which then stores that tile's dS further below 2^14 than its own scale would.
-    constexpr int kKeyShift = log2_of(NK - 1) + 1;  // 2^kKeyShift ≥ NK
+    constexpr int kKeyShift = log2_of(NK - 1) + 1;
+    static_assert((1 << kKeyShift) >= NK && kKeyShift < 20, "p's row sums below 1, norm ≤ 2^kKeyShift");
     int e_scale;
     frexpf(scale, &e_scale);  // scale < 2^e_scale
     const float ds_cap = pow2(min(126, 126 - kKeyShift - e_scale));
