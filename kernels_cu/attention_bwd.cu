@@ -835,10 +835,9 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     const long long ld_kv = 2LL * hidden;
     const float scale_log2 = scale * 1.4426950408889634f;
     // dS is stored times norm · scale · ds_run.s (below), which must stay finite: ds_run.s <
-    // 2^(126 − kKeyShift) / scale. Only a tile whose largest |dP| is below ~2^-107 meets the cap,
+    // 2^(126 − kKeyShift) / scale. Only a tile whose largest |dP| is below ~2^-106 meets the cap,
     // which then stores that tile's dS further below 2^14 than its own scale would.
-    constexpr int kKeyShift = log2_of(NK - 1) + 1;
-    static_assert((1 << kKeyShift) >= NK && kKeyShift < 20, "p's row sums below 1, norm ≤ 2^kKeyShift");
+    constexpr int kKeyShift = log2_of(NK - 1) + 1;  // 2^kKeyShift ≥ NK
     int e_scale;
     frexpf(scale, &e_scale);  // scale < 2^e_scale
     const float ds_cap = pow2(min(126, 126 - kKeyShift - e_scale));
@@ -908,8 +907,8 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         mask_scores<NT_K>(p, 0, n_keys, score_factor(scale_log2, s_q, s_k), t);
         // p stays exp2(S − max − kKeyShift), unnormalised: the rows' 1 / sum (norm) goes into the
         // stores' factors and into D, whose sum is over p ∘ dP (a multiplication a row, not an
-        // element). The shift keeps a row's sum of p below 1, so that sum, like P's, stays within
-        // max|dP|; norm ≤ 2^kKeyShift (the row's max is one of its terms).
+        // element). The shift keeps a row's sum of p at most 1, so that sum, like P's, stays within
+        // max|dP|; norm ≲ 2^kKeyShift (the row's max is one of its terms).
         float d_row[2], norm[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
