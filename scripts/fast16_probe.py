@@ -90,5 +90,6 @@ def main():
                   + f"  {'yes (Inf)' if bool(cupy.isinf(c).any()) else 'no (finite)'}")
         print(f"{shape:12s} {'sum of the eight':24s} " + " ".join(f"{t:16.1f} {'':8s}" for t in totals.values()))
 
+
 if __name__ == "__main__":
     main()
