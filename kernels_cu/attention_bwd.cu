@@ -834,13 +834,6 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     const long long ld_kv = 2LL * hidden;
     const float scale_log2 = scale * 1.4426950408889634f;
-    // dS is stored times norm · scale · ds_run.s (below), which must stay finite: ds_run.s <
-    // 2^(126 − kKeyShift) / scale. Only a tile whose largest |dP| is below ~2^-106 meets the cap,
-    // which then stores that tile's dS further below 2^14 than its own scale would.
-    constexpr int kKeyShift = log2_of(NK - 1) + 1;  // 2^kKeyShift ≥ NK
-    int e_scale;
-    frexpf(scale, &e_scale);  // scale < 2^e_scale
-    const float ds_cap = pow2(min(126, 126 - kKeyShift - e_scale));
     const int n_q_tiles = (n_video + ATTN_BLOCK_Q - 1) / ATTN_BLOCK_Q;
     const int first = blockIdx.x * tiles_per_chunk, last = min(first + tiles_per_chunk, n_q_tiles);
 #if ATTN_QDO_HALF
@@ -905,32 +898,25 @@ attn_bwd_lean(const qdo_t* __restrict__ q0, const kv_t* __restrict__ kv0, const 
         unscale<NT_K>(dp, s_do, s_v);
         publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below
         mask_scores<NT_K>(p, 0, n_keys, score_factor(scale_log2, s_q, s_k), t);
-        // p stays exp2(S − max − kKeyShift), unnormalised: the rows' 1 / sum (norm) goes into the
-        // stores' factors and into D, whose sum is over p ∘ dP (a multiplication a row, not an
-        // element). The shift keeps a row's sum of p at most 1, so that sum, like P's, stays within
-        // max|dP|; norm ≲ 2^kKeyShift (the row's max is one of its terms).
-        float d_row[2], norm[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
+        float d_row[2];  // D = rowsum(P ∘ dP) of rows g and g + 8
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            norm[h] = 1.f / exp_row<NT_K, false, kKeyShift>(p, h).y;  // every row has a key: n_keys ≥ 1
+            const float norm = 1.f / exp_row<NT_K, false>(p, h).y;  // every row has a key: n_keys ≥ 1
             float dot = 0.f;
 #pragma unroll
             for (int n = 0; n < NT_K; ++n)
 #pragma unroll
-                for (int i = 2 * h; i < 2 * h + 2; ++i) dot += p[n][i] * dp[n][i];
-            d_row[h] = quad_sum(dot) * norm[h];
+                for (int i = 2 * h; i < 2 * h + 2; ++i) dot += (p[n][i] *= norm) * dp[n][i];
+            d_row[h] = quad_sum(dot);
         }
-        score_grads<NT_K>(dp, p, d_row, 1.f);  // dS / (norm · scale), in the dp registers
+        score_grads<NT_K>(dp, p, d_row, scale);  // dS, in the dp registers
         unsigned p_frag[NK / 16][4], ds_frag[NK / 16][4];
-        const float p_factor[2] = {norm[0] * P_SCALE, norm[1] * P_SCALE};
-        store_fragments<NT_K>(p_s, LD_P, r0, p, p_factor, g, t, p_frag);  // P's scale is fixed: before the wait
+        store_fragments<NT_K>(p_s, LD_P, r0, p, P_SCALE, g, t, p_frag);  // P's scale is fixed: before the wait
         __syncthreads();  // red[0]: the tile's largest |dP|
-        ds_run.update(fminf(ds_observed_scale(red[0], scale), ds_cap));
+        ds_run.update(ds_observed_scale(red[0], scale));
         const float dk_ratio = ds_run.ratio * q_ratio;
         if (dk_ratio != 1.f) scale_all<NT_K>(dk_acc, dk_ratio);  // block-uniform
-        const float ds_scale = scale * ds_run.s;
-        const float ds_factor[2] = {norm[0] * ds_scale, norm[1] * ds_scale};
-        store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_factor, g, t, ds_frag);
+        store_fragments<NT_K>(ds_s, LD_P, r0, dp, ds_run.s, g, t, ds_frag);
         fence_operands();
         __syncthreads();  // every row of P and dS is stored
         float o_acc[NT_HD][4], dq_acc[NT_HD][4];

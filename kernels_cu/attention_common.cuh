@@ -727,16 +727,14 @@ __device__ __forceinline__ void store_acc(operand_t* m, int ld, int r0, const fl
 }
 
 #if ATTN_WGMMA
-// store_acc's stores (fp16), rows g times s[0] and rows g + 8 times s[1], and the same pairs as
-// wg_issue_rs's A fragments: k step j (columns 16j … 16j + 15) holds rows g, g + 8 at columns
-// 16j + 2t (+ 1), then at 16j + 8 + 2t (+ 1).
+// store_acc's stores (fp16), and the same pairs as wg_issue_rs's A fragments: k step j (columns
+// 16j … 16j + 15) holds rows g, g + 8 at columns 16j + 2t (+ 1), then at 16j + 8 + 2t (+ 1).
 template <int NT>
-__device__ __forceinline__ void store_fragments(operand_t* m, int ld, int r0, const float c[NT][4], const float s[2],
-                                                int g, int t, unsigned (&a)[NT / 2][4]) {
+__device__ __forceinline__ void store_fragments(operand_t* m, int ld, int r0, const float c[NT][4], float s, int g,
+                                                int t, unsigned (&a)[NT / 2][4]) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        const unsigned low = pack_half2(c[n][0] * s[0], c[n][1] * s[0]);
-        const unsigned high = pack_half2(c[n][2] * s[1], c[n][3] * s[1]);
+        const unsigned low = pack_half2(c[n][0] * s, c[n][1] * s), high = pack_half2(c[n][2] * s, c[n][3] * s);
         a[n / 2][2 * (n % 2)] = low;
         a[n / 2][2 * (n % 2) + 1] = high;
         *reinterpret_cast<unsigned*>(m + operand_offset(r0 + g, n * 8 + 2 * t, ld)) = low;
@@ -783,18 +781,16 @@ __device__ __forceinline__ float score_factor(float scale_log2, float s_q, float
     return scale_log2 / fminf(s_q, s_k) / fmaxf(s_q, s_k);
 }
 
-// Divide a product by its operands' scales s1 and s2 (powers of two): by 2^-e, e = log2(s1·s2), in
-// one multiplication where 2^-e is a normal fp32 (the common case), else as two factors 2^-e1 and
-// 2^(e1 - e) with e1 ≈ e / 2, each within fp32's normal range, the partial result always between
-// the product and the result. Both give the same bits (exact scalings; CuPy's -ftz=true flushes a
-// subnormal result either way). One factor out of range was the bug the two fix: 1/(s1·s2)
-// flushed to 0 for gradients of 1e-31, and 1/s1 then 1/s2 overflowed midway for 1e34.
+// Divide a product by its operands' scales s1 and s2 (powers of two) as two factors 2^-e1 and
+// 2^-e2 with e1 + e2 = log2(s1·s2) and e1 ≈ e2, each within fp32's normal range, the partial
+// result always between the product and the result. CuPy compiles with -ftz=true: one factor
+// 1/(s1·s2) flushed to 0 for gradients of 1e-31, and 1/s1 then 1/s2 overflowed midway for 1e34.
 template <int NT>
 __device__ __forceinline__ void unscale(float c[NT][4], float s1, float s2) {
     const int e = exponent_of(s1) + exponent_of(s2);
-    const int e1 = e >= -126 && e <= 126 ? e : e / 2;  // |e| ≤ 252: both halves in [-126, 126]
+    const int e1 = e / 2;  // |e| ≤ 252: both halves in [-126, 126]
     scale_all<NT>(c, pow2(-e1));
-    if (e1 != e) scale_all<NT>(c, pow2(e1 - e));  // block-uniform
+    scale_all<NT>(c, pow2(e1 - e));
 }
 
 __device__ __forceinline__ float quad_max(float x) {
@@ -807,17 +803,16 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Row half h (rows g and g + 8) of a warp's scores p (log2 units, masked keys at −∞) over all the
-// keys it holds: p becomes exp2(p − the row's max − SHIFT); returns (that max, the row's sum of the
-// new p). MASKED: all of a row's keys here may be masked (a key part of the resident kernel): then
-// the max is −∞ and p = 0.
-template <int NT, bool MASKED, int SHIFT = 0>
+// keys it holds: p becomes exp2(p − the row's max); returns (that max, the row's sum of the new p).
+// MASKED: all of a row's keys here may be masked (a key part of the resident kernel): then the max
+// is −∞ and p = 0.
+template <int NT, bool MASKED>
 __device__ __forceinline__ float2 exp_row(float p[NT][4], int h) {
     float mx = neg_inf();
 #pragma unroll
     for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(p[n][2 * h], p[n][2 * h + 1]));
     mx = quad_max(mx);
-    const float row_max = MASKED && mx == neg_inf() ? 0.f : mx;
-    const float base = SHIFT ? row_max + SHIFT : row_max;
+    const float base = MASKED && mx == neg_inf() ? 0.f : mx;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NT; ++n)

@@ -79,14 +79,13 @@ ABLATIONS = {
                 "            store_dq<NT_HD>(hs.dq, hs.dq_t, hs.dq_sums, ld_o, hidden, q_row0 + r0, n_video, dq_acc, g, t);\n"
                 "            store_o<NT_HD>(hs.o + (ATTN_O_TRANSPOSED ? (long long)col0 * ld_o : col0), ld_o, "
                 "q_row0 + r0, n_video, dq_acc, g, t, o_half_scale(hidden, inv_t, inv_w, inv_bv), o_lo_offset);")],
-    "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    if (e1 != e) scale_all<NT>(c, pow2(e1 - e));  // block-uniform\n",
-                "")],
+    "scales": [(COMMON, "    scale_all<NT>(c, pow2(-e1));\n    scale_all<NT>(c, pow2(e1 - e));\n", "")],
     "dkdv": DKDV,
     "dkdv3": DKDV + [(LAUNCHER, "smem, 2 if rows == 64 and key_split == 1 else 1",
                       "smem, 3 if rows == 64 and key_split == 1 else 1")],
     "lean_ds_max": [(BWD, "        publish_max(red[0], max_finite_abs<NT_K>(0.f, dp));  // read after the barrier below\n", ""),
                     (BWD, "        __syncthreads();  // red[0]: the tile's largest |dP|\n", ""),
-                    (BWD, "ds_run.update(fminf(ds_observed_scale(red[0], scale), ds_cap));", "ds_run.update(1.f);")],
+                    (BWD, "ds_run.update(ds_observed_scale(red[0], scale));", "ds_run.update(1.f);")],
     "lean_stores": [LEAN_O_STORE, _never("\n        store_dq<NT_HD>(hs.dq,")],
     "lean_o": [(BWD, "        add_to_columns<NT_HD>(o_acc, bv_s, t);  // O = P V0 + bv\n", ""), LEAN_O_STORE],
 }
