@@ -5,13 +5,10 @@
 #
 #   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh [tests | sweep]
 #
-# With no part, both in one call. The tests, run one after another, took ~6 minutes on a warm H200
-# and over the device tool's 600 s on a fresh machine, where NVRTC first builds every kernel
-# (Session 37: cut at 86 % of them); they now run as SHARDS (8) processes side by side. Where one
-# call is still too long: "tests", then "sweep" (the sweep and the accuracy tables). Session 38, warm
-# H200, SHARDS=8: 536 s for the tests (the shards, then contiguous slices, took 107 to 533 s: the
-# slowest decides; since then each shard takes blocks from every part of the suite, conftest.py,
-# not yet run on a GPU), 67 s for the sweep part.
+# With no part, both in one call. The tests run as SHARDS (8) pytest processes side by side, so
+# that a fresh machine's NVRTC builds use that many cores; where one device call is still too short
+# for both (600 s), run "tests", then "sweep" (the sweep and the accuracy tables). How long each
+# part took on which machine is in docs/perf-notes.md.
 #
 # Give the hash of the checkout as it is here, literally: the device's copy of the repository
 # carries the working tree (whatever branch is checked out), but its git metadata can be older.
