@@ -5,10 +5,9 @@
 #
 #   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh [tests | sweep]
 #
-# With no part, both in one call. The tests run as SHARDS (8) pytest processes side by side, so
-# that a fresh machine's NVRTC builds use that many cores; where one device call is still too short
-# for both (600 s), run "tests", then "sweep" (the sweep and the accuracy tables). How long each
-# part took on which machine is in docs/perf-notes.md.
+# With no part, both in one call; where one device call (600 s) is too short for both, run "tests",
+# then "sweep" (the sweep and the accuracy tables). How long each part took on which machine is in
+# docs/perf-notes.md.
 #
 # Give the hash of the checkout as it is here, literally: the device's copy of the repository
 # carries the working tree (whatever branch is checked out), but its git metadata can be older.
