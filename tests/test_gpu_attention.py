@@ -206,17 +206,21 @@ def test_o_remainders_go_with_the_fp32_mode_fp16_o(precision, o_lo_offset, match
 # The resident kernel, the resident kernel with its keys split (128 blocks: one tile an SM), the streamed kernel.
 @pytest.mark.parametrize("batch_size, n_video, n_text", [(1, 4096, 77), (2, 256, 77), (2, 256, 211)])
 @pytest.mark.parametrize("magnitudes", ["tiny gradients", "huge gradients", "huge and tiny operands", "tiny Q, huge K",
-                                        "tiles apart", "huge padding", "a zero value tile", "a value tile 2^16 up"])
+                                        "tiny Q and K", "tiles apart", "huge padding", "a zero value tile",
+                                        "a value tile 2^16 up"])
 def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_text, magnitudes):
     # The tf32/fp16 build stores operand tiles as fp16 scaled by powers of two chosen per tile
     # (attention_common.cuh): gradients of 1e-31 would vanish in plain fp16, Q of 1e5 overflow it;
     # the products are unscaled under CuPy's -ftz=true without flushing (1e-31, Q of 1e-34) or
-    # overflowing (1e34) midway; tiles of dO and V 2^40 and 2^12 apart make the tiles' scales
-    # differ, so the dK, dV, O and dQ accumulators change scale between tiles; keys past a
-    # sample's text length of 1e12 must not set the scale of the rest. dS's scale comes from a bound
-    # through max|V| over all keys (D sums over them): a key tile of V = 0, or one 2^16 above the
-    # rest, must not let another tile's dS overflow fp16 (the streamed kernel's per-tile V scale did).
-    # The scores keep their usual size: a much sharper softmax would make dQ and dK
+    # overflowing (1e34) midway; Q and K of 1e-20 flush the scores' factor to log2 units to 0
+    # (the scores are ~0 either way), and a padded key must still count as −∞, not as 0 · −∞ =
+    # NaN (what the factor inside exp2's argument gave, Session 41); tiles of dO and V 2^40 and
+    # 2^12 apart make the tiles' scales differ, so the dK, dV, O and dQ accumulators change scale
+    # between tiles; keys past a sample's text length of 1e12 must not set the scale of the rest.
+    # dS's scale comes from a bound through max|V| over all keys (D sums over them): a key tile of
+    # V = 0, or one 2^16 above the rest, must not let another tile's dS overflow fp16 (the streamed
+    # kernel's per-tile V scale did).
+    # The other cases keep the scores at their usual size: a much sharper softmax would make dQ and dK
     # ill-conditioned in any precision (which key wins flips with the rounding of S).
     import cupy
     heads, hidden = 16, 1024
@@ -237,6 +241,9 @@ def test_attention_operand_scales_follow_the_magnitudes(batch_size, n_video, n_t
     elif magnitudes == "tiny Q, huge K":
         q0 *= numpy.float32(1e-34)
         kv0[:, :hidden] *= numpy.float32(1e34)
+    elif magnitudes == "tiny Q and K":
+        q0 *= numpy.float32(1e-20)
+        kv0[:, :hidden] *= numpy.float32(1e-20)
     elif magnitudes == "huge and tiny operands":
         q0 *= numpy.float32(2.0 ** 17)
         kv0[:, :hidden] *= numpy.float32(2.0 ** -17)
