@@ -33,6 +33,10 @@ case "$part" in all|tests|sweep) ;; *) echo "h200_check.sh: the part is tests or
 if [ "$part" != sweep ]; then
     shards="${SHARDS:-8}"
     [[ $shards =~ ^[1-9][0-9]*$ ]] || { echo "h200_check.sh: SHARDS is a positive integer, not '$shards'" >&2; exit 2; }
+    # One BLAS thread pool a shard, its share of the cores: eight shards of OpenBLAS's default (a
+    # thread a core) spin against each other in the float64 references' small batched products.
+    threads=$(( $(nproc) / shards )); [ "$threads" -ge 1 ] || threads=1
+    export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-$threads}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}"
     pids=()
     for k in $(seq 0 $((shards - 1))); do  # each its own temporary folder: the processes run at once
         CUPY_XATTN_TEST_SHARD="$k/$shards" python3 -m pytest tests -m "gpu or sass" -q --tb=short --durations=10 \
