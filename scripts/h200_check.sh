@@ -6,8 +6,10 @@
 #   CUPY_XATTN_GIT_COMMIT=<short hash> bash scripts/h200_check.sh [tests | sweep]
 #
 # With no part, both in one call; where one device call (600 s) is too short for both, run "tests",
-# then "sweep" (the sweep and the accuracy tables). How long each part took on which machine is in
-# docs/perf-notes.md.
+# then "sweep" (the sweep and the accuracy tables), or bound the tests with TEST_SECONDS: each shard
+# stops after the test that passes that many seconds from the start (tests/conftest.py's
+# CUPY_XATTN_TEST_DEADLINE), writes its summary and fails the check. The sweep takes ~70 s on a warm
+# H200. How long each part took on which machine is in docs/perf-notes.md.
 #
 # Give the hash of the checkout as it is here, literally: the device's copy of the repository
 # carries the working tree (whatever branch is checked out), but its git metadata can be older.
@@ -37,6 +39,10 @@ if [ "$part" != sweep ]; then
     # thread a core) spin against each other in the float64 references' small batched products.
     threads=$(( $(nproc) / shards )); [ "$threads" -ge 1 ] || threads=1
     export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-$threads}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}"
+    if [ -n "${TEST_SECONDS:-}" ]; then
+        [[ $TEST_SECONDS =~ ^[1-9][0-9]*$ ]] || { echo "h200_check.sh: TEST_SECONDS is a positive integer, not '$TEST_SECONDS'" >&2; exit 2; }
+        export CUPY_XATTN_TEST_DEADLINE=$(( $(date +%s) + TEST_SECONDS ))
+    fi
     pids=()
     for k in $(seq 0 $((shards - 1))); do  # each its own temporary folder: the processes run at once
         CUPY_XATTN_TEST_SHARD="$k/$shards" python3 -m pytest tests -m "gpu or sass" -q --tb=short --durations=10 \
@@ -47,7 +53,8 @@ if [ "$part" != sweep ]; then
     : > "$out/pytest_gpu.log"
     for k in $(seq 0 $((shards - 1))); do
         log="$out/pytest_gpu.$k.log"
-        echo "shard $k/$shards: $(tail -n 1 "$log")"  # its pytest summary line
+        cut=$(grep -q "Interrupted: CUPY_XATTN_TEST_DEADLINE" "$log" && echo " (cut at TEST_SECONDS)")
+        echo "shard $k/$shards: $(tail -n 1 "$log")$cut"  # its pytest summary line
         { echo "== shard $k/$shards"; cat "$log"; } >> "$out/pytest_gpu.log"
         rm "$log"
     done

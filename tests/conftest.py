@@ -1,7 +1,9 @@
 """Markers: ``gpu`` tests skip without a usable GPU, unless CUPY_XATTN_REQUIRE_GPU=1 makes that a failure.
-CUPY_XATTN_TEST_SHARD=k/n runs the k-th (from 0) of n shards of the selected tests."""
+CUPY_XATTN_TEST_SHARD=k/n runs the k-th (from 0) of n shards of the selected tests.
+CUPY_XATTN_TEST_DEADLINE=<Unix time in seconds> stops the run after the test that passes it."""
 import functools
 import os
+import time
 
 import pytest
 
@@ -50,3 +52,29 @@ def pytest_collection_modifyitems(config, items):
     mine = {i for b in range(k, blocks, n) for i in range(bounds[b], bounds[b + 1])}
     config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i not in mine])
     items[:] = [item for i, item in enumerate(items) if i in mine]
+
+
+def _deadline():
+    """CUPY_XATTN_TEST_DEADLINE as a float, or None where unset."""
+    deadline = os.environ.get("CUPY_XATTN_TEST_DEADLINE")
+    if not deadline:
+        return None
+    try:
+        return float(deadline)
+    except ValueError:
+        raise pytest.UsageError(f"CUPY_XATTN_TEST_DEADLINE is a Unix time in seconds, not {deadline!r}") from None
+
+
+def pytest_configure(config):
+    _deadline()  # a bad value stops the run before any test, not after the first
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Stop after the test running at CUPY_XATTN_TEST_DEADLINE, as -x stops after a failure: the
+    summary and the slowest durations are still written, and the exit status is 2 (interrupted).
+    scripts/h200_check.sh sets it (TEST_SECONDS) so that its shards end inside a device call."""
+    yield
+    deadline = _deadline()
+    if deadline is not None and time.time() >= deadline and nextitem is not None:
+        item.session.shouldstop = f"CUPY_XATTN_TEST_DEADLINE passed, {item.nodeid} the last test run"

@@ -5,6 +5,7 @@ import py_compile
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy
@@ -308,6 +309,21 @@ def _collected(shard, *args):
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     return run.returncode, [line for line in run.stdout.splitlines() if "::" in line], run.stdout + run.stderr
+
+
+def test_a_test_deadline_stops_the_run_after_the_test_that_passes_it():
+    # h200_check.sh's TEST_SECONDS: shards cut at a deadline still write their summaries and exit 2.
+    def run(deadline):
+        env = {**os.environ, "CUPY_XATTN_TEST_DEADLINE": deadline}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cases.py"],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        return done.returncode, done.stdout + done.stderr
+    rc, log = run("0")
+    assert rc == 2 and "Interrupted: CUPY_XATTN_TEST_DEADLINE passed" in log and "\n1 passed" in log, log
+    rc, log = run(str(time.time() + 3600))
+    assert rc == 0 and "Interrupted" not in log and " passed" in log and "\n1 passed" not in log, log
+    rc, log = run("soon")
+    assert rc == 4 and "CUPY_XATTN_TEST_DEADLINE is a Unix time in seconds, not 'soon'" in log, log
 
 
 def test_test_shards_partition_the_selected_tests_in_order():
