@@ -49,14 +49,12 @@ import numpy
 from . import gemm
 
 __all__ = [
-    "IMPL", "TORCH_IMPLS", "NAIVE_IMPL", "REFERENCE_IMPL", "ROW_FIELDS",
+    "IMPL", "NAIVE_IMPL", "REFERENCE_IMPL", "ROW_FIELDS",
     "META_FIELDS", "run_sweep", "format_rows", "summarize", "suite_means",
     "measure_ceilings", "collect_meta",
 ]
 
 IMPL = "cupy_xattn"
-TORCH_IMPLS = ("torch-fp32-eager", "torch-tf32-eager",
-               "torch-fp32-graph", "torch-tf32-graph")
 NAIVE_IMPL = "naive-cupy"
 #: every row's ``speedup_vs_torch_tf32_graph`` is this impl's time / the row's time
 REFERENCE_IMPL = "torch-tf32-graph"

@@ -4,7 +4,7 @@
 # current folder first on sys.path, so PYTHONPATH=<tree> from elsewhere would time this checkout.)
 #
 #   git archive <commit> | tar -x -C .scratch/base     # a tree to compare, carried to the device
-#   bash scripts/ab_trees.sh .scratch/base .           # PRECISIONS=fp32 REPS=30 SUITE=wan22-a14b TAG=fp32-
+#   bash scripts/ab_trees.sh .scratch/base .           # PRECISIONS=fp32 REPS=30 WARMUP=5 SUITE=wan22-a14b TAG=fp32-
 #
 # Prints each tree's per-case table and suite means; JSON per tree to $OUT (or .) as ab-<TAG><n>.json
 # (give each run of one device call its own TAG: a second run would overwrite the first's files);

@@ -10,7 +10,7 @@
 # benchmarks/h200-wan22-latest.json where there is one). When $OUT is set
 # (the lent device machines), the JSON and BENCHMARKS.md are copied there too.
 #
-# Overrides: PRECISIONS (default fp32,tf32,fp16), REPS (50), WARMUP (10),
+# Overrides: PRECISIONS (default fp32,tf32,fp16), REPS (50), WARMUP (10), PYTHON (python3),
 # CUPY_XATTN_GIT_COMMIT (the commit recorded; required where $OUT is set: the lent machines'
 # copy of the repository carries the working tree, but its git metadata can be older, so git
 # there names a stale commit, as BENCHMARKS.md once recorded "b76e44f+dirty" for a649f15).
