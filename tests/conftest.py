@@ -54,6 +54,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for i, item in enumerate(items) if i in mine]
 
 
+@functools.cache  # read once: the hook below asks after every test
 def _deadline():
     """CUPY_XATTN_TEST_DEADLINE as a float, or None where unset."""
     deadline = os.environ.get("CUPY_XATTN_TEST_DEADLINE")

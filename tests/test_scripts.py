@@ -301,22 +301,26 @@ def test_the_device_sweep_refuses_to_run_without_the_commit_it_records(tmp_path)
     assert not any(tmp_path.iterdir())
 
 
+def _pytest(*args, shard=None, deadline=None):
+    """The CompletedProcess of pytest over args in the checkout, with conftest's CUPY_XATTN_TEST_SHARD
+    and CUPY_XATTN_TEST_DEADLINE set to shard and deadline (None: unset, whatever this run has)."""
+    settings = {"CUPY_XATTN_TEST_SHARD": shard, "CUPY_XATTN_TEST_DEADLINE": deadline}
+    env = {key: value for key, value in os.environ.items() if key not in settings}
+    env.update((key, value) for key, value in settings.items() if value is not None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+
+
 def _collected(shard, *args):
     """(return code, test ids, output) of a pytest collection with CUPY_XATTN_TEST_SHARD=shard (None: unset)."""
-    env = {key: value for key, value in os.environ.items() if key != "CUPY_XATTN_TEST_SHARD"}
-    if shard is not None:
-        env["CUPY_XATTN_TEST_SHARD"] = shard
-    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                         cwd=ROOT, env=env, capture_output=True, text=True)
+    run = _pytest("--collect-only", *args, shard=shard)
     return run.returncode, [line for line in run.stdout.splitlines() if "::" in line], run.stdout + run.stderr
 
 
 def test_a_test_deadline_stops_the_run_after_the_test_that_passes_it():
     # h200_check.sh's TEST_SECONDS: shards cut at a deadline still write their summaries and exit 2.
     def run(deadline):
-        env = {**os.environ, "CUPY_XATTN_TEST_DEADLINE": deadline}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cases.py"],
-                              cwd=ROOT, env=env, capture_output=True, text=True)
+        done = _pytest("tests/test_cases.py", deadline=deadline)
         return done.returncode, done.stdout + done.stderr
     rc, log = run("0")
     assert rc == 2 and "Interrupted: CUPY_XATTN_TEST_DEADLINE passed" in log and "\n1 passed" in log, log
